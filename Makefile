@@ -1,0 +1,60 @@
+# The course's two commands:   make lab    (set up, open JupyterLab)
+#                              make test   (set up, run the tests, then every notebook with nbval)
+PYTHON  ?= python3
+VENV    ?= .venv
+BUILD   := $(CURDIR)/build
+PY      := $(VENV)/bin/python
+TORCH   := torch==2.14.1 torchvision==0.29.1
+D2L     := d2l==1.0.3
+
+# Everything a run writes (caches, kernel files, checkpoints) goes under build/.
+export D2LPAR_BUILD_DIR   := $(BUILD)
+export MPLCONFIGDIR       := $(BUILD)/matplotlib
+export IPYTHONDIR         := $(BUILD)/ipython
+export JUPYTER_RUNTIME_DIR := $(BUILD)/jupyter-runtime
+export PYTHONPYCACHEPREFIX := $(BUILD)/pycache
+export PYTHONDONTWRITEBYTECODE := 1
+
+NBVAL_OPTS := --nbval-lax --nbval-current-env --nbval-cell-timeout=600 \
+              --nbval-sanitize-with tests/nbval_sanitize.cfg -p tests.nbval_durations
+
+.PHONY: setup lab test unit notebooks execute bench info clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet --no-deps $(D2L)
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+lab: setup
+	$(VENV)/bin/jupyter lab notebooks/
+
+test: setup
+	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(NBVAL_OPTS) notebooks
+
+unit: setup
+	$(PY) -m pytest -q tests
+
+notebooks: setup
+	$(PY) -m pytest -q $(NBVAL_OPTS) notebooks
+
+# Re-execute notebooks in place (what is committed is executed): make execute [NB=notebooks/00_setup.ipynb]
+NB ?= notebooks/*.ipynb
+execute: setup
+	for nb in $(NB); do \
+	  $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
+	    --ExecutePreprocessor.timeout=600 "$$nb" || exit 1; done
+	$(PY) tests/clean_notebooks.py $(NB)
+
+info: setup
+	$(PY) -m d2lpar info
+
+bench: setup
+	$(PY) -m d2lpar bench launch
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,7 @@
+"""d2lpar: the tested helpers behind the course on parallel and distributed training in PyTorch.
+
+Import the module you need (``from d2lpar import devices, launch``); importing the package itself is
+cheap and pulls in nothing but this docstring and the version.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,33 @@
+"""``python -m d2lpar info`` and ``python -m d2lpar bench <name>``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+BENCHMARKS = {
+    "launch": "d2lpar.bench.launch",
+    "overlap": "d2lpar.bench.overlap",
+    "allreduce": "d2lpar.bench.allreduce",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m d2lpar", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="what this machine has and what the course will simulate")
+    bench = sub.add_parser("bench", help="benchmarks that print figures")
+    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="options for the benchmark")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        from d2lpar.info import machine_report
+        print(machine_report())
+        return 0
+    module = importlib.import_module(BENCHMARKS[args.name])
+    return module.main(args.rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Start-up cost of N ranks: d2lpar.launch (warm forkserver) against torch.multiprocessing.spawn.
+
+Each run starts N ranks, joins a gloo group, does one all-reduce, and returns. The last line states
+the ratio d2lpar / mp.spawn for N = 4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+
+from d2lpar.launch import _free_port, launch
+
+
+def _allreduce() -> float:
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _spawned(rank: int, world_size: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    _allreduce()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def time_launch(n: int, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = launch(_allreduce, n)
+        times.append(time.perf_counter() - t0)
+        assert out == [float(n)] * n, out
+    return statistics.median(times)
+
+
+def time_spawn(n: int, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        tmp.spawn(_spawned, args=(n, _free_port("127.0.0.1")), nprocs=n, join=True)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m d2lpar bench launch", description=__doc__)
+    parser.add_argument("--ranks", default="2,4,8", help="world sizes, comma-separated")
+    parser.add_argument("--repeats", type=int, default=3, help="launches per figure (median)")
+    parser.add_argument("--spawn-repeats", type=int, default=1, help="mp.spawn runs per figure")
+    args = parser.parse_args(argv)
+    sizes = [int(n) for n in args.ranks.split(",")]
+    t0 = time.perf_counter()
+    launch(_allreduce, 2)  # the first call starts the forkserver and imports torch there
+    print(f"first d2lpar.launch (starts the forkserver): {time.perf_counter() - t0:.3f} s")
+    print(f"{'ranks':>5}  {'d2lpar.launch':>14}  {'mp.spawn':>9}  {'ratio':>6}")
+    ratios = {}
+    for n in sizes:
+        ours, theirs = time_launch(n, args.repeats), time_spawn(n, args.spawn_repeats)
+        ratios[n] = ours / theirs
+        print(f"{n:>5}  {ours:>12.3f} s  {theirs:>7.3f} s  {ratios[n]:>6.3f}")
+    key = 4 if 4 in ratios else sizes[-1]
+    print(f"ratio d2lpar.launch / mp.spawn for N = {key}: {ratios[key]:.3f}")
+    return 0

@@ -1,0 +1,103 @@
+import argparse
+
+import pytest
+import torch
+
+from d2lpar import devices
+from d2lpar.devices import DeviceError
+
+
+@pytest.fixture
+def no_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def test_simulated_devices_when_there_are_too_few_gpus(no_gpus, capsys):
+    devs = devices.get_devices(3)
+    assert devs == [torch.device("cpu", i) for i in range(3)]
+    assert all(devices.is_simulated(d) for d in devs)
+    assert "simulating 3 devices on the CPU" in capsys.readouterr().out
+    devices.get_devices(3)
+    assert capsys.readouterr().out == "", "the simulation notice is said once"
+
+
+def test_simulated_device_holds_tensors(no_gpus):
+    d = devices.get_devices(2)[1]
+    x = torch.ones(3, device=d) * 2
+    assert x.sum().item() == 6
+
+
+def test_real_gpus_first(two_gpus):
+    assert devices.get_devices(2) == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert devices.get_devices() == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert devices.try_gpu(1) == torch.device("cuda", 1)
+    assert devices.try_gpu(2) == torch.device("cpu")
+
+
+def test_no_simulation_asked(no_gpus):
+    with pytest.raises(DeviceError, match="has 0"):
+        devices.get_devices(2, simulate=False)
+    assert devices.get_devices() == [torch.device("cpu")]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5])
+def test_bad_counts(no_gpus, bad):
+    with pytest.raises(DeviceError, match="whole number"):
+        devices.get_devices(bad)
+
+
+def test_cuda_visible_devices_naming_no_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # CUDA stopped at the bad entry
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,7")
+    with pytest.raises(DeviceError, match="names 2 device.*nvidia-smi"):
+        devices.gpu_count()
+
+
+def test_cuda_visible_devices_that_hide_every_gpu_are_fine(no_gpus, monkeypatch):
+    for spec in ["", "-1"]:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", spec)
+        assert devices.gpu_count() == 0
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("gpu0", "not a device"), ("cuda:2", "does not exist"), ("cuda:x", "not a device")])
+def test_bad_device_strings(two_gpus, spec, message):
+    with pytest.raises(DeviceError, match=message):
+        devices.parse_device(spec)
+
+
+def test_device_strings(two_gpus):
+    assert devices.parse_device("cuda:1") == torch.device("cuda", 1)
+    assert devices.parse_device(0) == torch.device("cuda", 0)
+    assert devices.parse_device(" CPU ") == torch.device("cpu")
+
+
+def test_cuda_asked_on_a_cpu_machine(no_gpus):
+    with pytest.raises(DeviceError, match="has none"):
+        devices.parse_device("cuda")
+
+
+def test_device_flags(two_gpus):
+    parser = devices.add_device_args(argparse.ArgumentParser())
+    pick = lambda *a: devices.devices_from_args(parser.parse_args(list(a)))
+    assert pick() == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert pick("--devices", "1") == [torch.device("cuda", 1)]
+    assert pick("--cpu") == [torch.device("cpu")]
+    with pytest.raises(DeviceError, match="does not exist"):
+        pick("--devices", "0,3")
+    with pytest.raises(DeviceError, match="indices separated by commas"):
+        pick("--devices", "zero")
+
+
+def test_describe(no_gpus):
+    assert devices.describe(devices.get_devices(2)) == "2 simulated device(s) on the CPU: cpu:0, cpu:1"

@@ -18,7 +18,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 NBVAL_OPTS := --nbval-lax --nbval-current-env --nbval-cell-timeout=600 \
               --nbval-sanitize-with tests/nbval_sanitize.cfg -p tests.nbval_durations
 
-.PHONY: setup lab test unit notebooks execute bench info clean
+.PHONY: setup lab test unit notebooks notebooks-one execute bench info clean
 
 setup: $(VENV)/.installed
 
@@ -49,6 +49,9 @@ execute: setup
 	  $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
 	    --ExecutePreprocessor.timeout=600 "$$nb" || exit 1; done
 	$(PY) tests/clean_notebooks.py $(NB)
+
+notebooks-one: setup
+	$(PY) -m pytest -q $(NBVAL_OPTS) $(NB)
 
 info: setup
 	$(PY) -m d2lpar info

@@ -1,0 +1,293 @@
+"""Collectives built by hand from point-to-point messages, with every byte counted.
+
+Two classic ways to sum a tensor of K bytes held by each of N ranks (an *all-reduce*):
+
+* **Parameter server** (a key-value store with ``push`` and ``pull``). Every worker pushes its value
+  of a key to the key's server, which sums them; then every worker pulls the sum. With one server
+  (rank 0, which also works) the N-1 other ranks each send K bytes in and receive K bytes back, so
+  **2(N-1)K bytes go through the server**: its link carries a load that grows with N. Sharding the
+  keys over S servers divides that load: with S = N each rank serves K/N bytes and sends and
+  receives 2(N-1)K/N bytes.
+* **Ring all-reduce** = reduce-scatter then all-gather. Cut the tensor into N chunks; rank r sends to
+  r+1 and receives from r-1. In N-1 reduce-scatter steps each chunk travels round the ring,
+  collecting one addend per hop, until rank r holds the full sum of chunk (r+1) mod N; in N-1
+  all-gather steps the finished chunks travel round once more. Each rank sends and receives
+  **2(N-1)K/N bytes**, whatever N: the bandwidth term stays near 2K as N grows.
+
+When N does not divide the tensor the chunks differ by one element; ``ring_bytes`` and ``ps_bytes``
+give the exact counts, and the formulas hold exactly when N divides it. The ring's schedule is data
+(``ring_schedule``): the same list drives the implementation, the pictures and the byte counts.
+Messages are ``isend``/``irecv`` posted together (no send/recv ordering can deadlock), chunks are
+views into the caller's tensor (no copies), and the all-gather receives straight into place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ByteCounter", "chunk_bounds", "RingStep", "ring_schedule", "ring_reduce_scatter",
+           "ring_all_gather", "ring_all_reduce", "ParameterServer", "ps_all_reduce", "ring_bytes",
+           "ps_bytes", "ps_server_formula", "ring_rank_formula", "holdings"]
+
+
+# ---------------------------------------------------------------------------------- byte counting
+
+@dataclass
+class ByteCounter:
+    """Bytes and messages one rank sent and received (counted when each message is posted)."""
+    sent: int = 0
+    received: int = 0
+    messages: int = 0
+    log: list = field(default_factory=list, repr=False)
+
+    def isend(self, tensor: torch.Tensor, dst: int):
+        self.sent += tensor.numel() * tensor.element_size()
+        self.messages += 1
+        return dist.isend(tensor, dst)
+
+    def irecv(self, tensor: torch.Tensor, src: int):
+        self.received += tensor.numel() * tensor.element_size()
+        return dist.irecv(tensor, src)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"sent": self.sent, "received": self.received, "messages": self.messages}
+
+
+def _wait(works) -> None:
+    for w in works:
+        w.wait()
+
+
+def chunk_bounds(numel: int, n: int) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]`` of n chunks whose sizes differ by at most one (first ones larger)."""
+    if n < 1:
+        raise ValueError(f"cannot cut a tensor into {n} chunks: use n >= 1")
+    base, extra = divmod(numel, n)
+    bounds, start = [], 0
+    for i in range(n):
+        stop = start + base + (i < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    if not tensor.is_contiguous():
+        raise ValueError("the hand-built collectives work in place on a contiguous tensor: "
+                         "pass tensor.contiguous() and use the result")
+    return tensor.view(-1)
+
+
+# ------------------------------------------------------------------------------------------ ring
+
+class RingStep(NamedTuple):
+    phase: str        # 'reduce-scatter' or 'all-gather'
+    step: int         # 0 .. N-2 within the phase
+    rank: int         # who acts
+    send_chunk: int   # chunk sent to rank+1
+    recv_chunk: int   # chunk received from rank-1 (added in reduce-scatter, copied in all-gather)
+
+
+def ring_schedule(n: int) -> list[RingStep]:
+    """Every step of a ring all-reduce on n ranks, for every rank, as data."""
+    steps = []
+    for s in range(n - 1):
+        for r in range(n):
+            steps.append(RingStep("reduce-scatter", s, r, (r - s) % n, (r - s - 1) % n))
+    for s in range(n - 1):
+        for r in range(n):
+            steps.append(RingStep("all-gather", s, r, (r + 1 - s) % n, (r - s) % n))
+    return steps
+
+
+def _ring_phase(flat: torch.Tensor, phase: str, counter: ByteCounter, segments: int) -> None:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % n, (rank - 1) % n
+    bounds = chunk_bounds(flat.numel(), n)
+    mine = [st for st in ring_schedule(n) if st.rank == rank and st.phase == phase]
+    if phase == "reduce-scatter":
+        biggest = max(b - a for a, b in bounds)
+        buffer = torch.empty(biggest, dtype=flat.dtype, device=flat.device)
+    for st in mine:
+        a, b = bounds[st.send_chunk]
+        c, d = bounds[st.recv_chunk]
+        target = flat[c:d]
+        inbox = buffer[: d - c] if phase == "reduce-scatter" else target
+        # Cut each chunk into segments so that adding one segment overlaps receiving the next.
+        out_parts = flat[a:b].tensor_split(segments) if b > a else ()
+        in_parts = inbox.tensor_split(segments) if d > c else ()
+        sends = [counter.isend(p, right) for p in out_parts if p.numel()]
+        recvs = [(counter.irecv(p, left), p, t) for p, t in
+                 zip(in_parts, target.tensor_split(segments) if d > c else ()) if p.numel()]
+        for work, part, tgt in recvs:
+            work.wait()
+            if phase == "reduce-scatter":
+                tgt.add_(part)
+        _wait(sends)
+
+
+def ring_reduce_scatter(tensor: torch.Tensor, counter: ByteCounter | None = None,
+                        segments: int = 1) -> tuple[int, int]:
+    """Sum in place so that this rank holds the full sum of chunk (rank+1) mod N; return its bounds."""
+    flat = _flat(tensor)
+    _ring_phase(flat, "reduce-scatter", counter or ByteCounter(), segments)
+    n = dist.get_world_size()
+    return chunk_bounds(flat.numel(), n)[(dist.get_rank() + 1) % n]
+
+
+def ring_all_gather(tensor: torch.Tensor, counter: ByteCounter | None = None,
+                    segments: int = 1) -> torch.Tensor:
+    """Spread each rank's finished chunk (rank+1) mod N to every rank, in place."""
+    _ring_phase(_flat(tensor), "all-gather", counter or ByteCounter(), segments)
+    return tensor
+
+
+def ring_all_reduce(tensor: torch.Tensor, counter: ByteCounter | None = None,
+                    segments: int | None = None) -> torch.Tensor:
+    """Sum ``tensor`` over all ranks in place, by reduce-scatter then all-gather round a ring.
+
+    segments: pieces per chunk message (None picks by size: one piece per ~1 MB, at most 8).
+    """
+    if dist.get_world_size() == 1:
+        return tensor
+    counter = counter or ByteCounter()
+    if segments is None:
+        chunk_bytes = tensor.numel() * tensor.element_size() // dist.get_world_size()
+        segments = max(1, min(8, chunk_bytes >> 20))
+    ring_reduce_scatter(tensor, counter, segments)
+    ring_all_gather(tensor, counter, segments)
+    return tensor
+
+
+# ------------------------------------------------------------------------------ parameter server
+
+class ParameterServer:
+    """A synchronous key-value store over point-to-point messages.
+
+    Ranks 0 .. servers-1 are servers (and also workers, like GPU 0 as the reducer in
+    ``nn.DataParallel``); every rank calls ``push`` and ``pull`` with the same keys. Keys are placed
+    on servers greedily by size, the same on every rank. ``push`` sends each value to its key's
+    server, which keeps the sum; ``pull`` copies the sums back into every rank's tensors.
+    """
+
+    def __init__(self, servers: int = 1, counter: ByteCounter | None = None):
+        n = dist.get_world_size()
+        if not 1 <= servers <= n:
+            raise ValueError(f"servers={servers} but there are {n} ranks: use 1 (one server) up "
+                             f"to {n} (keys sharded over every rank)")
+        self.servers, self.counter = servers, counter or ByteCounter()
+        self.store: dict[Hashable, torch.Tensor] = {}
+
+    def placement(self, values: dict[Hashable, torch.Tensor]) -> dict[Hashable, int]:
+        """Server rank of each key: the biggest keys first, each to the least loaded server."""
+        load = [0] * self.servers
+        where = {}
+        for key in sorted(values, key=lambda k: (-values[k].numel(), list(values).index(k))):
+            s = min(range(self.servers), key=lambda i: (load[i], i))
+            where[key] = s
+            load[s] += values[key].numel()
+        return where
+
+    def push(self, values: dict[Hashable, torch.Tensor]) -> None:
+        rank, n = dist.get_rank(), dist.get_world_size()
+        where = self.placement(values)
+        works, inboxes = [], []
+        for key, value in values.items():
+            server = where[key]
+            if rank != server:
+                works.append(self.counter.isend(_flat(value), server))
+                continue
+            boxes = [torch.empty_like(_flat(value)) for _ in range(n - 1)]
+            peers = [p for p in range(n) if p != rank]
+            works += [self.counter.irecv(b, p) for b, p in zip(boxes, peers)]
+            inboxes.append((key, value, boxes))
+        _wait(works)
+        for key, value, boxes in inboxes:
+            total = _flat(value).clone()
+            for b in boxes:
+                total.add_(b)
+            self.store[key] = total
+
+    def pull(self, out: dict[Hashable, torch.Tensor]) -> None:
+        rank, n = dist.get_rank(), dist.get_world_size()
+        where = self.placement(out)
+        works = []
+        for key, tensor in out.items():
+            if rank == where[key]:
+                works += [self.counter.isend(self.store[key], p) for p in range(n) if p != rank]
+                _flat(tensor).copy_(self.store[key])
+            else:
+                works.append(self.counter.irecv(_flat(tensor), where[key]))
+        _wait(works)
+
+
+def ps_all_reduce(tensor: torch.Tensor, servers: int = 1,
+                  counter: ByteCounter | None = None) -> torch.Tensor:
+    """Sum ``tensor`` over all ranks in place through a parameter server with ``servers`` shards."""
+    if dist.get_world_size() == 1:
+        return tensor
+    flat = _flat(tensor)
+    shards = {i: flat[a:b] for i, (a, b) in enumerate(chunk_bounds(flat.numel(), servers)) if b > a}
+    ps = ParameterServer(servers, counter)
+    ps.push(shards)
+    ps.pull(shards)
+    return tensor
+
+
+# ------------------------------------------------------------------------------- bytes, formulas
+
+def ring_bytes(numel: int, n: int, element_size: int = 4) -> list[dict[str, int]]:
+    """Exact bytes each rank sends and receives in ``ring_all_reduce`` (any numel)."""
+    sizes = [b - a for a, b in chunk_bounds(numel, n)]
+    out = [{"sent": 0, "received": 0} for _ in range(n)]
+    for st in ring_schedule(n) if n > 1 else []:
+        out[st.rank]["sent"] += sizes[st.send_chunk] * element_size
+        out[st.rank]["received"] += sizes[st.recv_chunk] * element_size
+    return out
+
+
+def ps_bytes(numel: int, n: int, element_size: int = 4, servers: int = 1) -> list[dict[str, int]]:
+    """Exact bytes each rank sends and receives in ``ps_all_reduce`` (any numel)."""
+    out = [{"sent": 0, "received": 0} for _ in range(n)]
+    for s, (a, b) in enumerate(chunk_bounds(numel, servers)):
+        k = (b - a) * element_size
+        for r in range(n):
+            if r != s:
+                out[r]["sent"] += k        # push
+                out[r]["received"] += k    # pull
+                out[s]["received"] += k
+                out[s]["sent"] += k
+    return out
+
+
+def ps_server_formula(K: float, n: int) -> float:
+    """Bytes through the one server of a parameter server: 2(N-1)K."""
+    return 2 * (n - 1) * K
+
+
+def ring_rank_formula(K: float, n: int) -> float:
+    """Bytes each rank sends (and receives) in a ring all-reduce: 2(N-1)K/N."""
+    return 2 * (n - 1) * K / n
+
+
+# ---------------------------------------------------------------------------------------- pictures
+
+def holdings(name: str, before: Sequence, after: Sequence, fmt: str = "{:g}") -> str:
+    """A text picture of what each rank holds before and after a collective."""
+    def show(x):
+        if x is None:
+            return "-"
+        if isinstance(x, (list, tuple)):
+            return " ".join(show(v) for v in x)
+        t = torch.as_tensor(x).flatten().tolist()
+        return "[" + " ".join(fmt.format(v) for v in t) + "]"
+    left = [show(b) for b in before]
+    width = max(len(s) for s in left + ["before"])
+    lines = [f"{name}", f"        {'before':<{width}}    after"]
+    for r, (b, a) in enumerate(zip(left, after)):
+        lines.append(f"rank {r}  {b:<{width}} -> {show(a)}")
+    return "\n".join(lines)

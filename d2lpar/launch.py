@@ -189,14 +189,16 @@ def _stop(procs) -> None:
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "auto",
            timeout: float = 120.0, threads_per_rank: int = 1, capture_output: bool = True,
-           init_process_group: bool = True, master_addr: str = "127.0.0.1", master_port: int = 0,
-           env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
+           quiet: bool = False, init_process_group: bool = True, master_addr: str = "127.0.0.1",
+           master_port: int = 0, env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the list of their return values.
 
     backend: 'auto' (NCCL with one GPU per rank, else gloo), 'gloo' or 'nccl'.
     timeout: seconds for the whole run (and for each collective); on expiry every rank is stopped.
     threads_per_rank: torch compute threads per rank (1 keeps simulated ranks from fighting for cores).
-    capture_output: print each rank's output after the run, prefixed and in rank order.
+    capture_output: capture each rank's output and print it after the run, prefixed and in rank
+        order (False lets ranks write to the terminal as they go, interleaved).
+    quiet: with capture_output, discard what the ranks print instead.
     init_process_group: False leaves the call to ``dist.init_process_group()`` to ``fn``, with
         MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK set for ``init_method='env://'``.
     """
@@ -243,7 +245,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         for r in readers:
             r.close()
         del store
-    if capture_output:
+    if capture_output and not quiet:
         for rank, text in enumerate(outputs):
             for line in text.rstrip("\n").splitlines():
                 print(f"[rank {rank}] {line}")

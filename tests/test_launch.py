@@ -80,6 +80,8 @@ def test_output_printed_in_rank_order(no_strays, capsys):
     launch(talk, 2)
     out = capsys.readouterr().out
     assert "[rank 0] hello from 0\n[rank 1] hello from 1\n" in out
+    launch(talk, 2, quiet=True)
+    assert capsys.readouterr().out == ""
 
 
 def test_init_left_to_the_worker(no_strays):

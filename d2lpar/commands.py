@@ -1,0 +1,208 @@
+"""Run a launcher command (torchrun, srun-like set-ups) with a deadline, and leave no process behind.
+
+A launcher is a tree of processes: ``torchrun`` starts one worker per rank, and its workers call
+``setsid``, so they leave the launcher's process group; killing the group, or the launcher, can leave
+workers running. Every command started here gets a random tag in its environment
+(``D2LPAR_RUN_TAG``); children inherit their parent's environment, so the tag marks the whole tree,
+and ``stop()`` kills exactly the processes that carry it (found through ``/proc`` on Linux; elsewhere
+the process group is killed). The same tag lets a test find "the worker with RANK=1" and kill it.
+
+Output (stdout and stderr merged) is collected line by line while the command runs. ``text()`` gives it
+back with machine paths (the Python executable, the checkout, the temporary folder) replaced by short
+names, and ``pretty(cmd)`` prints a command the way a reader would type it.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+__all__ = ["CommandFailed", "Running", "free_port", "launcher_free_env", "pretty", "run", "start",
+           "REPO"]
+
+REPO = Path(__file__).resolve().parents[1]  # the folder that holds the d2lpar package
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                 "MASTER_ADDR", "MASTER_PORT")
+TAG = "D2LPAR_RUN_TAG"
+
+
+class CommandFailed(RuntimeError):
+    """The command exited with an error or ran past its timeout."""
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (good enough for a launcher started right after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def launcher_free_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without launcher variables (RANK, SLURM_*, ...), one thread each."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS
+           and not k.startswith(("SLURM_", "TORCHELASTIC_", "PET_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(extra or {})
+    return env
+
+
+def _replacements() -> list[tuple[str, str]]:
+    pairs = [(sys.executable, "python"), (str(Path(sys.executable).parent) + os.sep, ""),
+             (str(REPO) + os.sep, ""), (str(REPO), "."),
+             (tempfile.gettempdir() + os.sep, "")]
+    build = os.environ.get("D2LPAR_BUILD_DIR")
+    if build:
+        pairs.insert(0, (str(Path(build).resolve()) + os.sep, ""))
+    return pairs
+
+
+def sanitize(text: str, cwd: str | os.PathLike | None = None) -> str:
+    """Replace machine paths in ``text`` by short relative names."""
+    pairs = ([(str(Path(cwd).resolve()) + os.sep, "")] if cwd else []) + _replacements()
+    for old, new in pairs:
+        text = text.replace(old, new)
+    return text
+
+
+def pretty(cmd: Sequence[str], env: Mapping[str, str] | None = None, cwd=None) -> str:
+    """The command as a reader types it: ``torchrun`` for ``python -m torch.distributed.run``."""
+    words = [sanitize(str(w), cwd) for w in cmd]
+    if words[:3] == ["python", "-m", "torch.distributed.run"]:
+        words = ["torchrun"] + words[3:]
+    prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items())
+    return (prefix + " " if prefix else "") + " ".join(shlex.quote(w) for w in words)
+
+
+def _tagged(tag: str) -> list[int]:
+    pids = []
+    if not os.path.isdir("/proc"):
+        return pids
+    needle = f"{TAG}={tag}".encode()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    pids.append(int(name))
+        except OSError:
+            continue
+    return pids
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            items = f.read().split(b"\0")
+    except OSError:
+        return {}
+    return dict(i.decode(errors="replace").split("=", 1) for i in items if b"=" in i)
+
+
+class Running:
+    """A started command: its output so far, its processes, and a way to stop all of them."""
+
+    def __init__(self, cmd: Sequence[str], env: Mapping[str, str], cwd=None):
+        self.cmd, self.cwd, self.tag = [str(c) for c in cmd], cwd, uuid.uuid4().hex
+        self.lines: list[str] = []
+        self.returncode: int | None = None
+        self.started = time.perf_counter()
+        self.proc = subprocess.Popen(self.cmd, env={**env, TAG: self.tag}, cwd=cwd,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def pids(self, **match: str) -> list[int]:
+        """Live processes of this command whose environment has all of ``match`` (e.g. RANK='1')."""
+        return [p for p in _tagged(self.tag)
+                if all(_environ(p).get(k) == str(v) for k, v in match.items())]
+
+    def wait_until(self, ready: Callable[[], bool], timeout: float) -> bool:
+        """Poll ``ready()`` until it holds (True) or the command ends or time runs out (False)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if ready():
+                return True
+            if self.proc.poll() is not None:
+                return bool(ready())
+            time.sleep(0.01)
+        return False
+
+    def wait(self, timeout: float) -> int | None:
+        """Wait for the command; None if it is still running after ``timeout`` seconds."""
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        self._reader.join(5)
+        self.returncode = code
+        return code
+
+    def stop(self) -> None:
+        """Kill every process of this command (idempotent)."""
+        for _ in range(3):
+            pids = _tagged(self.tag)
+            try:  # the session we started: the command and whatever stayed in its group
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            time.sleep(0.05)
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        self._reader.join(5)
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started
+
+    def text(self) -> str:
+        return sanitize("\n".join(self.lines), self.cwd)
+
+
+def start(cmd: Sequence[str], env: Mapping[str, str] | None = None, cwd=None) -> Running:
+    """Start ``cmd`` (environment: ``launcher_free_env(env)``); call ``.stop()`` when done."""
+    return Running(cmd, launcher_free_env(env), cwd)
+
+
+def run(cmd: Sequence[str], timeout: float = 60.0, env: Mapping[str, str] | None = None, cwd=None,
+        check: bool = True) -> Running:
+    """Run ``cmd`` to the end (at most ``timeout`` seconds), kill what is left, return it.
+
+    With check=True an exit code other than 0, or the timeout, raises CommandFailed with the output.
+    """
+    job = start(cmd, env, cwd)
+    try:
+        code = job.wait(timeout)
+    finally:
+        job.stop()
+    if check and code != 0:
+        why = f"ran past {timeout:g} s and was killed" if code is None else f"exited with {code}"
+        tail = "\n".join(job.text().splitlines()[-30:])
+        raise CommandFailed(f"`{pretty(cmd, cwd=cwd)}` {why}; its last output:\n{tail}")
+    return job

@@ -1,0 +1,202 @@
+"""Train LeNet on handwritten digits with DistributedDataParallel; the same file runs under any launcher.
+
+    python d2lpar/examples/train_ddp.py                                       # one plain process
+    torchrun --standalone --nproc-per-node=2 d2lpar/examples/train_ddp.py     # one node, 2 processes
+    torchrun --nnodes=2 --node-rank=0 --nproc-per-node=8 --master-addr=HOST0 --master-port=29500 \\
+        d2lpar/examples/train_ddp.py             # on node 0; the same with --node-rank=1 on node 1
+    torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST0:29400 \\
+        --rdzv-id=job42 --max-restarts=3 d2lpar/examples/train_ddp.py   # elastic: same on every node
+    python -m torch.distributed.launch --nproc-per-node=2 d2lpar/examples/train_ddp.py  # deprecated
+    srun --ntasks=16 --ntasks-per-node=8 python d2lpar/examples/train_ddp.py           # SLURM
+
+What makes it work everywhere (each step is a comment below):
+1. ``d2lpar.env.detect()`` reads rank, world size and local rank from torchrun, the legacy launcher
+   (``--local-rank``) or SLURM, and says one plain process when there is no launcher.
+2. One GPU per process (``cuda:<local rank>``, NCCL) when there are enough GPUs, else CPU and gloo.
+3. ``--batch-size`` is the *global* batch: each of W ranks takes B/W examples per step, and since
+   DDP averages gradients over ranks, a step equals one step on the whole batch in one process.
+4. ``DistributedSampler`` with ``set_epoch(epoch)``: a new shuffle every epoch, the same on all ranks.
+5. Rank 0 writes an atomic checkpoint after each epoch (``d2lpar.checkpoint.save``); every rank
+   resumes from it on start, so ``torchrun --max-restarts`` continues a job whose process died.
+   The checkpoint folder must be visible to all nodes (a shared file system).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from d2lpar import checkpoint, env
+from d2lpar.data import load_digits
+from d2lpar.models import lenet
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Train LeNet with DDP under any launcher.")
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=32, help="global batch, split over all ranks")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--train-size", type=int, default=0, help="use the first N training images (0: all)")
+    p.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
+    p.add_argument("--ckpt-dir", default=None, help="where last.pt lives (default: no checkpoints)")
+    p.add_argument("--cpu", action="store_true", help="train on the CPU with gloo even if GPUs exist")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="the world size you expect; an error if the launcher started another")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds for rendezvous/collectives")
+    # The legacy launcher appends --local-rank=N (--local_rank=N before PyTorch 2.0); accept both.
+    p.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def choose_device(who: env.DistEnv, cpu: bool = False) -> tuple[torch.device, str]:
+    """One GPU per process with NCCL when every local rank can have its own GPU; else CPU and gloo."""
+    if not cpu and torch.cuda.is_available() and torch.cuda.device_count() >= who.local_world_size:
+        torch.cuda.set_device(who.local_rank)
+        return torch.device("cuda", who.local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def log(who: env.DistEnv, *message) -> None:
+    """Only rank 0 talks, so W processes do not print everything W times."""
+    if who.is_main:
+        print(*message, flush=True)
+
+
+def progress(who: env.DistEnv, text: str, step: int, steps: int, width: int = 20) -> None:
+    """A progress bar on rank 0: redrawn in place on a terminal, one line per epoch otherwise."""
+    if not who.is_main:
+        return
+    done = width * step // steps
+    line = f"{text} [{'#' * done}{'.' * (width - done)}] {step}/{steps}"
+    if sys.stdout.isatty():
+        print("\r" + line, end="\n" if step == steps else "", flush=True)
+    elif step == steps:
+        print(line, flush=True)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset, who: env.DistEnv, device: torch.device,
+             batch_size: int = 256) -> tuple[float, float]:
+    """Mean loss and accuracy over ``dataset``, each example counted exactly once across all ranks.
+
+    ``DistributedSampler`` pads the index list to a multiple of W by repeating its first indices;
+    rank r gets positions r, r+W, r+2W, ... of the padded list, and positions >= len(dataset) are
+    the repeats, so they are masked out. The sums are then all-reduced.
+    """
+    model.eval()
+    sampler = DistributedSampler(dataset, num_replicas=who.world_size, rank=who.rank, shuffle=False)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
+    seen = 0
+    for X, y in loader:
+        X, y = X.to(device), y.to(device)
+        position = who.rank + who.world_size * (seen + torch.arange(len(y), device=device))
+        keep = position < len(dataset)
+        seen += len(y)
+        logits = model(X)
+        loss = nn.functional.cross_entropy(logits, y, reduction="none")
+        sums += torch.stack([loss[keep].sum().double(), (logits.argmax(1) == y)[keep].sum().double(),
+                             keep.sum().double()])
+    if dist.is_initialized():
+        dist.all_reduce(sums)  # SUM over ranks: every real example counted once
+    model.train()
+    return (sums[0] / sums[2]).item(), (sums[1] / sums[2]).item()
+
+
+def train(args: argparse.Namespace) -> dict:
+    # 1. Who am I? (torchrun, legacy launcher, SLURM or a plain process)
+    who = env.detect(local_rank_arg=args.local_rank, expected_world_size=args.world_size)
+    device, backend = choose_device(who, args.cpu)
+    if args.batch_size % who.world_size:
+        raise env.EnvError(f"--batch-size {args.batch_size} is the global batch and must divide evenly "
+                           f"over {who.world_size} processes: use a multiple of {who.world_size}")
+    if who.distributed:  # 2. Join the group; rank 0's host holds the rendezvous.
+        dist.init_process_group(backend, init_method=who.init_method, rank=who.rank,
+                                world_size=who.world_size, timeout=timedelta(seconds=args.timeout))
+    log(who, f"{who.describe()}; device {device.type}, backend {backend if who.distributed else '-'}")
+    try:
+        return _fit(args, who, device)
+    finally:
+        if dist.is_initialized():
+            dist.barrier()  # nobody leaves while others still talk
+            dist.destroy_process_group()
+
+
+def _fit(args: argparse.Namespace, who: env.DistEnv, device: torch.device) -> dict:
+    train_set, test_set = load_digits(size=28)
+    if args.train_size:
+        train_set = Subset(train_set, range(min(args.train_size, len(train_set))))
+    # 3. The same seed on every rank gives the same initial model (DDP would broadcast rank 0's anyway).
+    model = lenet(seed=args.seed).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+    # 4. Resume: every rank loads the last checkpoint (weights_only, onto its own device) *before*
+    #    wrapping in DDP, so model, optimizer and epoch agree everywhere.
+    start, path = 0, None
+    if args.ckpt_dir:
+        path = f"{args.ckpt_dir}/last.pt"
+        start, state = checkpoint.resume(path, model, optimizer, map_location=device)
+        if state is not None:
+            again = restart_count()
+            log(who, f"resumed from {path} after epoch {start}"
+                + (f" (torchrun restart {again})" if again else ""))
+
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) \
+        if who.distributed else model
+    sampler = DistributedSampler(train_set, num_replicas=who.world_size, rank=who.rank,
+                                 shuffle=True, seed=args.seed)
+    loader = DataLoader(train_set, batch_size=args.batch_size // who.world_size, sampler=sampler)
+    history = []
+    for epoch in range(start, args.epochs):
+        sampler.set_epoch(epoch)  # 5. Without this, every epoch repeats epoch 0's order.
+        tic, steps = time.perf_counter(), len(loader)
+        total = torch.zeros((), device=device)  # summed on the device: no sync per step
+        for step, (X, y) in enumerate(loader, 1):
+            X, y = X.to(device), y.to(device)
+            optimizer.zero_grad(set_to_none=True)
+            loss = nn.functional.cross_entropy(ddp(X), y)
+            loss.backward()  # DDP all-reduces (averages) the gradients here
+            optimizer.step()
+            total += loss.detach()
+            progress(who, f"epoch {epoch + 1}/{args.epochs}", step, steps)
+        if who.distributed:  # log the mean over all ranks, not rank 0's share alone
+            dist.all_reduce(total)
+        train_loss = total.item() / (steps * who.world_size)
+        test_loss, test_acc = evaluate(model, test_set, who, device)
+        history.append((epoch, train_loss, test_loss, test_acc))
+        log(who, f"epoch {epoch + 1}: train loss {train_loss:.4f}, test loss {test_loss:.4f}, "
+                 f"test accuracy {test_acc:.3f} ({time.perf_counter() - tic:.2f} s)")
+        if path is not None:  # 6. Rank 0 saves model.module's weights; the others wait.
+            if who.is_main:
+                checkpoint.save(checkpoint.training_state(ddp, optimizer, epoch,
+                                                          world_size=who.world_size), path)
+            if who.distributed:
+                dist.barrier()
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return {"state": state, "history": history, "start_epoch": start, "rank": who.rank,
+            "world_size": who.world_size, "launcher": who.launcher}
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this worker group (0 when not under torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+def main(argv=None) -> dict:
+    return train(parse_args(argv))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (env.EnvError, checkpoint.CheckpointError) as e:
+        sys.exit(f"train_ddp.py: error: {e}")

@@ -1,0 +1,166 @@
+"""What each device stores and sends in one training step, for each way of splitting the work.
+
+Training keeps four kinds of tensors. For P parameters in fp32 (4 bytes each):
+
+    parameters 4P,  gradients 4P,  optimizer state 4sP (s = 0 plain SGD, 1 momentum, 2 Adam),
+
+and the *activations* autograd saves for the backward pass. For an MLP with widths d_0, ..., d_L,
+each linear layer saves its input (a ReLU saves its output, which is the next layer's input, stored
+once), so a batch of B samples keeps
+
+    A = 4 B (d_0 + d_1 + ... + d_{L-1}) bytes.
+
+``saved_activation_bytes`` measures A for any model by hooking autograd's saved tensors; the notebook
+checks it against the formula. ``footprints`` then splits a step over n devices:
+
+* data: every device holds the whole model and B/n samples; per step each device sends
+  2 (n-1)/n * 4P bytes (a ring all-reduce of the gradients);
+* model (layers): device i holds a contiguous group of layers (P_i parameters) and all B samples'
+  activations of its layers; it sends the activations at its cut forward and their gradient back;
+* pipeline: model parallelism with m micro-batches; same bytes, in m messages; GPipe keeps all
+  micro-batches' activations, 1F1B at most n - i of them on stage i;
+* channel: every layer's output channels are split n ways (the two-GPU AlexNet), P/n each; every
+  device needs each layer's whole input, so outputs are all-gathered (forward) and input gradients
+  all-reduced (backward);
+* data+model: d replicas of a k-stage model (n = d k).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["saved_activation_bytes", "mlp_activation_bytes", "Footprint", "footprints",
+           "partition_layers", "STRATEGIES"]
+
+BYTES = 4  # fp32
+STRATEGIES = ("single", "data", "model", "pipeline-gpipe", "pipeline-1f1b", "channel", "data+model")
+OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2}
+
+
+def saved_activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes autograd keeps for the backward pass of ``model(x)`` (parameters not counted).
+
+    Tensors sharing storage (a view, the same tensor saved by two operations) count once.
+    """
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).sum()  # sum saves nothing: its backward only needs the shape
+    return sum(saved.values())
+
+
+def mlp_activation_bytes(sizes: tuple[int, ...], batch: int) -> int:
+    """The formula: 4 B (d_0 + ... + d_{L-1}) for an MLP with widths ``sizes`` = (d_0, ..., d_L)."""
+    return BYTES * batch * sum(sizes[:-1])
+
+
+def _layer_params(sizes) -> list[int]:
+    return [a * b + b for a, b in zip(sizes[:-1], sizes[1:])]
+
+
+def partition_layers(sizes: tuple[int, ...], parts: int) -> list[list[int]]:
+    """Split the layers of an MLP into ``parts`` contiguous groups with balanced parameter counts."""
+    params = _layer_params(sizes)
+    if not 1 <= parts <= len(params):
+        raise ValueError(f"cannot split {len(params)} layers into {parts} groups: use 1 to "
+                         f"{len(params)} devices for model parallelism, or a deeper model")
+    L = len(params)
+    prefix = [0]
+    for p in params:
+        prefix.append(prefix[-1] + p)
+    # best[g][j]: the smallest possible largest group when the first j layers form g groups
+    best = [[float("inf")] * (L + 1) for _ in range(parts + 1)]
+    cut = [[0] * (L + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for g in range(1, parts + 1):
+        for j in range(g, L + 1):
+            for i in range(g - 1, j):
+                cost = max(best[g - 1][i], prefix[j] - prefix[i])
+                if cost < best[g][j]:
+                    best[g][j], cut[g][j] = cost, i
+    groups, j = [], L
+    for g in range(parts, 0, -1):
+        groups.append(list(range(cut[g][j], j)))
+        j = cut[g][j]
+    return groups[::-1]
+
+
+@dataclass
+class Footprint:
+    """Bytes one device holds during a step, and bytes it sends per step."""
+    strategy: str
+    device: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    sent: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations
+
+
+def _ring(n: int, nbytes: float) -> float:
+    """Bytes each device sends in a ring all-reduce of ``nbytes``: 2 (n-1)/n of it."""
+    return 2 * (n - 1) / n * nbytes
+
+
+def footprints(sizes: tuple[int, ...], batch: int, n: int, strategy: str,
+               optimizer: str = "adam", micro_batches: int = 4, replicas: int = 2) -> list[Footprint]:
+    """Per-device memory and bytes sent for an MLP ``sizes`` trained with ``strategy`` on n devices."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}: choose sgd, momentum or adam")
+    if n < 1 or batch < n:
+        raise ValueError(f"need n >= 1 devices and a batch of at least n samples (n={n}, B={batch})")
+    s, lp = OPTIMIZER_STATES[optimizer], _layer_params(sizes)
+    P, acts = sum(lp), [BYTES * d for d in sizes[:-1]]  # activations per sample, by layer
+
+    def fp(i, p, act, sent):
+        return Footprint(strategy, i, BYTES * p, BYTES * p, s * BYTES * p, int(act), int(sent))
+
+    if strategy == "single" or n == 1:
+        return [fp(0, P, batch * sum(acts), 0)]
+    if strategy == "data":
+        from .data import split_sizes
+        return [fp(i, P, b * sum(acts), _ring(n, BYTES * P))
+                for i, b in enumerate(split_sizes(batch, n))]
+    if strategy == "channel":
+        out = []
+        for i in range(n):
+            p = sum((a * b + b) // n + (i < (a * b + b) % n) for a, b in zip(sizes[:-1], sizes[1:]))
+            gather = sum((n - 1) / n * BYTES * batch * d for d in sizes[1:-1])
+            reduce_grads = sum(_ring(n, BYTES * batch * d) for d in sizes[1:-1])
+            out.append(fp(i, p, batch * sum(acts), gather + reduce_grads))
+        return out
+    d = replicas if strategy == "data+model" else 1
+    if n % d:
+        raise ValueError(f"data+model needs n divisible by replicas ({n} devices, {replicas} replicas)")
+    k = n // d
+    groups = partition_layers(sizes, k)
+    from .data import split_sizes
+    out = []
+    for r, b in enumerate(split_sizes(batch, d)):
+        for g, layers in enumerate(groups):
+            p = sum(lp[j] for j in layers)
+            act = b * sum(acts[j] for j in layers)
+            if strategy == "pipeline-1f1b":
+                act = act * min(micro_batches, k - g) / micro_batches
+            sent = (BYTES * b * sizes[layers[-1] + 1] if g < k - 1 else 0) + \
+                   (BYTES * b * sizes[layers[0]] if g > 0 else 0)
+            if d > 1:
+                sent += _ring(d, BYTES * p)
+            out.append(fp(r * k + g, p, act, sent))
+    return out

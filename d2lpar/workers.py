@@ -1,0 +1,119 @@
+"""A simulated device that really runs in parallel: a worker thread with one core and a queue.
+
+A GPU is a queue. ``y = x @ x`` on ``cuda:0`` puts a kernel in the device's queue (its stream) and
+returns at once; the GPU works through the queue while Python goes on, and ``synchronize`` waits until
+the queue is empty. Two GPUs have two queues, so work given to both runs at the same time with no
+extra code: t(both) ~ max(t_0, t_1) instead of t_0 + t_1.
+
+On a CPU-only machine ``DeviceQueue`` plays that part. Each queue owns one worker thread that runs one
+torch thread (``torch.set_num_threads(1)``), so k queues on a machine with k cores are k devices
+that compute at the same time for real (PyTorch releases Python's GIL inside its operators).
+``submit(fn, *args)`` returns a ``Future`` at once, like a kernel launch; ``synchronize()`` waits for
+the queue to drain, like ``torch.cuda.synchronize(device)``; every job is recorded as a span on a
+``Timeline`` lane named after the queue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .timing import Timeline
+
+__all__ = ["torch_threads", "DeviceQueue", "cores"]
+
+
+def cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the body with ``torch.set_num_threads(n)`` in this thread, then restore the old value."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+_STOP = object()
+
+
+class DeviceQueue:
+    """A simulated device: a worker thread with one torch thread, fed through a queue.
+
+    ``core`` pins the worker to one CPU core where the OS allows it (Linux); ``timeline`` (shared by
+    several queues) receives one span per job, labelled with ``label`` or the function's name.
+    Use as a context manager, or call ``close()``.
+    """
+
+    def __init__(self, name: str, core: int | None = None, timeline: Timeline | None = None,
+                 timeout: float = 120.0):
+        self.name, self.core, self.timeout = name, core, timeout
+        self.timeline = timeline if timeline is not None else Timeline()
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name=f"DeviceQueue-{name}", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        torch.set_num_threads(1)
+        if self.core is not None and hasattr(os, "sched_setaffinity"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, {self.core})  # on Linux 0 is the calling thread
+        while True:
+            item = self._jobs.get()
+            if item is _STOP:
+                return
+            future, fn, args, kwargs, label = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            start = time.perf_counter()
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            if label is not None:
+                self.timeline.add(self.name, label, start, time.perf_counter())
+
+    def submit(self, fn: Callable[..., Any], *args: Any, label: str | None = None,
+               **kwargs: Any) -> Future:
+        """Queue ``fn(*args, **kwargs)`` and return at once with a Future of its result."""
+        if not self._thread.is_alive():
+            raise RuntimeError(f"DeviceQueue {self.name!r} is closed: make a new one")
+        future: Future = Future()
+        self._jobs.put((future, fn, args, kwargs, label or getattr(fn, "__name__", "job")))
+        return future
+
+    def synchronize(self) -> None:
+        """Wait until every job queued so far has finished (errors surface in their futures)."""
+        done = threading.Event()
+        self._jobs.put((Future(), done.set, (), {}, None))  # label None: not drawn
+        if not done.wait(self.timeout):
+            raise TimeoutError(f"DeviceQueue {self.name!r} did not drain within {self.timeout} s: "
+                               "a job is stuck or too long; raise timeout= or make the job smaller")
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._jobs.put(_STOP)
+            self._thread.join(self.timeout)
+
+    def __enter__(self) -> "DeviceQueue":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

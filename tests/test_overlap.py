@@ -1,0 +1,55 @@
+import pytest
+import torch
+
+from d2lpar.launch import launch
+from d2lpar.overlap import (OverlapResult, cpu_overlap, cuda_overlap, gloo_overlap_worker,
+                            matmul_loop, unsynchronized_readback)
+
+
+def test_result_ratio_and_table():
+    r = OverlapResult("toy", compute=1.0, transfer=2.0, sequential=3.0, overlapped=2.2)
+    assert r.bound == 2.0 and r.ratio == pytest.approx(1.1)
+    assert "ratio overlapped / max(compute, transfer) = 1.100" in r.table()
+
+
+def test_cpu_overlap_delivers_the_same_results_and_timelines():
+    # cpu_overlap raises if the overlapped run computes or copies anything different
+    r = cpu_overlap(compute_steps=20, copies=2, copy_mb=1, repeats=2)
+    assert r.sequential > 0 and r.overlapped > 0 and r.compute > 0 and r.transfer > 0
+    over = r.timelines["compute while copying"]
+    assert set(over.lanes) == {"main thread", "copy thread"}
+    assert over.overlap("main thread", "copy thread") > 0
+    seq = r.timelines["compute then copy"]
+    assert seq.lanes == ["main thread"]
+
+
+def test_cpu_overlap_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="repeats"):
+        cpu_overlap(repeats=0)
+
+
+def test_matmul_loop_is_bounded_and_deterministic():
+    x = torch.randn(32, 32, generator=torch.Generator().manual_seed(0)) / 32 ** 0.5
+    y = matmul_loop(x, 50)
+    assert torch.equal(y, matmul_loop(x, 50)) and y.abs().max() <= 1
+
+
+def test_gloo_async_allreduce_gives_the_same_sums():
+    out = launch(gloo_overlap_worker, 2, 2 ** 14, 64, 5, 1, timeout=60)
+    assert all(r["ok"] for r in out)
+    assert all(r["overlapped"] > 0 and len(r["spans"]) == 2 for r in out)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_cuda_paths_say_what_to_use_without_a_gpu():
+    with pytest.raises(RuntimeError, match="cpu_overlap"):
+        cuda_overlap("cuda")
+    with pytest.raises(RuntimeError, match="CUDA GPU"):
+        unsynchronized_readback("cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_overlap_on_a_gpu():
+    r = cuda_overlap("cuda", pieces=4, size=512, repeats=2)
+    assert r.overlapped > 0 and len(r.timelines["compute while copying"]) == 8
+    assert unsynchronized_readback("cuda")["complete after synchronize"]

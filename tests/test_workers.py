@@ -1,0 +1,53 @@
+import time
+
+import pytest
+import torch
+
+from d2lpar.timing import Timeline
+from d2lpar.workers import DeviceQueue, cores, torch_threads
+
+
+def test_submit_returns_at_once_and_synchronize_waits():
+    tl = Timeline()
+    with DeviceQueue("cpu:0", timeline=tl) as q:
+        t0 = time.perf_counter()
+        fut = q.submit(time.sleep, 0.2, label="sleep")
+        queued = time.perf_counter() - t0
+        q.synchronize()
+        waited = time.perf_counter() - t0
+    assert queued < 0.1 < 0.19 < waited
+    assert fut.done() and [s.label for s in tl.spans] == ["sleep"]
+
+
+def test_results_equal_the_sequential_ones():
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    with torch_threads(1):
+        expected = [x @ x, (x @ x).relu()]
+    with DeviceQueue("a") as a, DeviceQueue("b") as b:
+        fa, fb = a.submit(lambda: x @ x), b.submit(lambda: (x @ x).relu())
+        assert torch.equal(fa.result(timeout=10), expected[0])
+        assert torch.equal(fb.result(timeout=10), expected[1])
+
+
+def test_errors_reach_the_caller_and_the_queue_goes_on():
+    with DeviceQueue("cpu:0") as q:
+        bad = q.submit(lambda: 1 / 0)
+        good = q.submit(lambda: 42)
+        q.synchronize()
+        with pytest.raises(ZeroDivisionError):
+            bad.result()
+        assert good.result() == 42
+
+
+def test_closed_queue_says_what_to_do():
+    q = DeviceQueue("cpu:0")
+    q.close()
+    with pytest.raises(RuntimeError, match="make a new one"):
+        q.submit(print)
+
+
+def test_torch_threads_restores():
+    old = torch.get_num_threads()
+    with torch_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == old and cores() >= 1

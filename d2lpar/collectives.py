@@ -23,14 +23,14 @@ views into the caller's tensor (no copies), and the all-gather receives straight
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Hashable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["ByteCounter", "chunk_bounds", "RingStep", "ring_schedule", "ring_reduce_scatter",
-           "ring_all_gather", "ring_all_reduce", "ParameterServer", "ps_all_reduce", "ring_bytes",
+           "ring_all_gather", "ring_all_reduce", "free_workspace", "ParameterServer", "ps_all_reduce", "ring_bytes",
            "ps_bytes", "ps_server_formula", "ring_rank_formula", "holdings"]
 
 
@@ -42,16 +42,15 @@ class ByteCounter:
     sent: int = 0
     received: int = 0
     messages: int = 0
-    log: list = field(default_factory=list, repr=False)
 
-    def isend(self, tensor: torch.Tensor, dst: int):
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0):
         self.sent += tensor.numel() * tensor.element_size()
         self.messages += 1
-        return dist.isend(tensor, dst)
+        return dist.isend(tensor, dst, tag=tag)
 
-    def irecv(self, tensor: torch.Tensor, src: int):
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0):
         self.received += tensor.numel() * tensor.element_size()
-        return dist.irecv(tensor, src)
+        return dist.irecv(tensor, src, tag=tag)
 
     def as_dict(self) -> dict[str, int]:
         return {"sent": self.sent, "received": self.received, "messages": self.messages}
@@ -104,37 +103,89 @@ def ring_schedule(n: int) -> list[RingStep]:
     return steps
 
 
-def _ring_phase(flat: torch.Tensor, phase: str, counter: ByteCounter, segments: int) -> None:
+_workspace: dict = {}
+
+
+def _scratch(count: int, numel: int, like: torch.Tensor) -> list[torch.Tensor]:
+    """Receive buffers, kept between calls: fresh memory costs page faults on every call.
+
+    ``free_workspace()`` gives the memory back.
+    """
+    key = (like.dtype, like.device)
+    held = _workspace.get(key)
+    if held is None or held.numel() < count * numel:
+        held = _workspace[key] = torch.empty(count * numel, dtype=like.dtype, device=like.device)
+    return [held[i * numel:(i + 1) * numel] for i in range(count)]
+
+
+def free_workspace() -> None:
+    """Release the ring's cached receive buffers."""
+    _workspace.clear()
+
+
+def _ring(flat: torch.Tensor, phases: tuple[str, ...], counter: ByteCounter, segments: int) -> None:
+    """Run this rank's steps of ``ring_schedule`` for the given phases, pipelined by segment.
+
+    Each chunk is cut into ``segments`` pieces. A piece is forwarded as soon as it has arrived (and,
+    in reduce-scatter, been added), so piece j of step s+1 travels while piece j+1 of step s is still
+    on its way: adding overlaps communication and no step waits for a whole chunk. Messages carry
+    tag = step * segments + piece, so they can never be matched to the wrong receive.
+    """
     rank, n = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % n, (rank - 1) % n
     bounds = chunk_bounds(flat.numel(), n)
-    mine = [st for st in ring_schedule(n) if st.rank == rank and st.phase == phase]
-    if phase == "reduce-scatter":
-        biggest = max(b - a for a, b in bounds)
-        buffer = torch.empty(biggest, dtype=flat.dtype, device=flat.device)
-    for st in mine:
-        a, b = bounds[st.send_chunk]
-        c, d = bounds[st.recv_chunk]
-        target = flat[c:d]
-        inbox = buffer[: d - c] if phase == "reduce-scatter" else target
-        # Cut each chunk into segments so that adding one segment overlaps receiving the next.
-        out_parts = flat[a:b].tensor_split(segments) if b > a else ()
-        in_parts = inbox.tensor_split(segments) if d > c else ()
-        sends = [counter.isend(p, right) for p in out_parts if p.numel()]
-        recvs = [(counter.irecv(p, left), p, t) for p, t in
-                 zip(in_parts, target.tensor_split(segments) if d > c else ()) if p.numel()]
-        for work, part, tgt in recvs:
-            work.wait()
-            if phase == "reduce-scatter":
-                tgt.add_(part)
-        _wait(sends)
+    views = [flat[a:b].tensor_split(segments) for a, b in bounds]  # views: no copies
+    steps = [st for st in ring_schedule(n) if st.rank == rank and st.phase in phases]
+    # Reduce-scatter receives into two alternating scratch buffers (step i uses buffer i % 2);
+    # all-gather receives straight into place.
+    biggest = max(b - a for a, b in bounds)
+    rs_steps = sum(st.phase == "reduce-scatter" for st in steps)
+    scratch = _scratch(min(2, rs_steps), biggest, flat)
+    recvs, sends = {}, []
+
+    def post_recv(i: int, j: int) -> None:
+        st = steps[i]
+        target = views[st.recv_chunk][j]
+        if target.numel() == 0:
+            return
+        if st.phase == "reduce-scatter":
+            size = bounds[st.recv_chunk][1] - bounds[st.recv_chunk][0]
+            inbox = scratch[i % 2][:size].tensor_split(segments)[j]
+        else:
+            inbox = target
+        recvs[i, j] = (counter.irecv(inbox, left, tag=i * segments + j), inbox, target)
+
+    def post_send(i: int, j: int) -> None:
+        part = views[steps[i].send_chunk][j]
+        if part.numel():
+            sends.append(counter.isend(part, right, tag=i * segments + j))
+
+    for i, st in enumerate(steps):
+        if st.phase == "all-gather" or i < 2:
+            for j in range(segments):
+                post_recv(i, j)
+    for j in range(segments):
+        post_send(0, j)
+    for i, st in enumerate(steps):
+        for j in range(segments):
+            if (i, j) in recvs:
+                work, inbox, target = recvs.pop((i, j))
+                work.wait()
+                if st.phase == "reduce-scatter":
+                    target.add_(inbox)
+            # What step i received (and summed) is exactly what step i+1 sends on.
+            if i + 1 < len(steps):
+                post_send(i + 1, j)
+            if i + 2 < len(steps) and steps[i + 2].phase == "reduce-scatter":
+                post_recv(i + 2, j)  # its scratch piece was just consumed
+    _wait(sends)
 
 
 def ring_reduce_scatter(tensor: torch.Tensor, counter: ByteCounter | None = None,
                         segments: int = 1) -> tuple[int, int]:
     """Sum in place so that this rank holds the full sum of chunk (rank+1) mod N; return its bounds."""
     flat = _flat(tensor)
-    _ring_phase(flat, "reduce-scatter", counter or ByteCounter(), segments)
+    _ring(flat, ("reduce-scatter",), counter or ByteCounter(), segments)
     n = dist.get_world_size()
     return chunk_bounds(flat.numel(), n)[(dist.get_rank() + 1) % n]
 
@@ -142,7 +193,7 @@ def ring_reduce_scatter(tensor: torch.Tensor, counter: ByteCounter | None = None
 def ring_all_gather(tensor: torch.Tensor, counter: ByteCounter | None = None,
                     segments: int = 1) -> torch.Tensor:
     """Spread each rank's finished chunk (rank+1) mod N to every rank, in place."""
-    _ring_phase(_flat(tensor), "all-gather", counter or ByteCounter(), segments)
+    _ring(_flat(tensor), ("all-gather",), counter or ByteCounter(), segments)
     return tensor
 
 
@@ -150,16 +201,15 @@ def ring_all_reduce(tensor: torch.Tensor, counter: ByteCounter | None = None,
                     segments: int | None = None) -> torch.Tensor:
     """Sum ``tensor`` over all ranks in place, by reduce-scatter then all-gather round a ring.
 
-    segments: pieces per chunk message (None picks by size: one piece per ~1 MB, at most 8).
+    segments: pieces per chunk message (None: one piece per ~4 MB of chunk, 1 to 8 pieces).
     """
     if dist.get_world_size() == 1:
         return tensor
     counter = counter or ByteCounter()
     if segments is None:
         chunk_bytes = tensor.numel() * tensor.element_size() // dist.get_world_size()
-        segments = max(1, min(8, chunk_bytes >> 20))
-    ring_reduce_scatter(tensor, counter, segments)
-    ring_all_gather(tensor, counter, segments)
+        segments = max(1, min(8, chunk_bytes >> 22))
+    _ring(_flat(tensor), ("reduce-scatter", "all-gather"), counter, segments)
     return tensor
 
 

@@ -1,0 +1,70 @@
+"""The cost model: the alpha-beta formulas, the fit to measurements, the described machines."""
+
+import math
+
+import pytest
+
+from d2lpar import costmodel as cm
+from d2lpar.collectives import ps_server_formula, ring_rank_formula
+
+PCIE = cm.MACHINES["4 GPUs, PCIe 3.0"]
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_bandwidth_terms_follow_the_byte_formulas(n):
+    K = 256e6
+    m = cm.Machine("no latency", n, cm.Link(10e9, 0.0), reduce_bandwidth=math.inf)
+    assert cm.allreduce_time("one_device", K, n, m) == pytest.approx(ps_server_formula(K, n) / 10e9)
+    assert cm.allreduce_time("ring", K, n, m) == pytest.approx(ring_rank_formula(K, n) / 10e9)
+    assert cm.allreduce_time("sharded", K, n, m) == cm.allreduce_time("ring", K, n, m)
+
+
+def test_latency_counts_once_per_round():
+    m = cm.Machine("latency only", 4, cm.Link(math.inf, 1e-5), reduce_bandwidth=math.inf)
+    assert cm.allreduce_time("ring", 1e6, 4, m) == pytest.approx(6e-5)
+    assert cm.allreduce_time("one_device", 1e6, 4, m) == pytest.approx(6e-5)
+
+
+def test_ring_wins_for_large_messages_and_many_devices():
+    for machine in cm.MACHINES.values():
+        n = machine.devices
+        big = 64 << 20
+        t = {s: cm.allreduce_time(s, big, n, machine) for s in cm.STRATEGIES}
+        assert t["ring"] < t["one_device"] and t["ring"] < t["through_cpu"], machine.name
+    nvlink, pcie = cm.MACHINES["8 GPUs, NVSwitch"], cm.MACHINES["8 GPUs, PCIe 4.0"]
+    assert cm.allreduce_time("ring", 1 << 26, 8, nvlink) < cm.allreduce_time("ring", 1 << 26, 8, pcie)
+
+
+def test_one_device_grows_linearly_with_n_and_ring_does_not():
+    times = [cm.allreduce_time("one_device", 1 << 28, n, PCIE) for n in (2, 4, 8)]
+    assert times[2] / times[0] > 6
+    ring = [cm.allreduce_time("ring", 1 << 28, n, PCIE) for n in (2, 4, 8)]
+    assert ring[2] / ring[0] < 2
+
+
+def test_fit_link_recovers_alpha_and_beta():
+    alpha, beta = 50e-6, 2e9
+    sizes = [1 << k for k in range(10, 25, 2)]
+    link = cm.fit_link(sizes, [alpha + s / beta for s in sizes])
+    assert link.bandwidth == pytest.approx(beta, rel=1e-6)
+    assert link.latency == pytest.approx(alpha, rel=1e-6)
+    with pytest.raises(ValueError, match="larger messages"):
+        cm.fit_link([1, 2], [1.0, 0.5])
+
+
+def test_shared_cores_slow_concurrent_messages():
+    here = cm.this_machine(cm.Link(1e9, 0.0), reduce_bandwidth=math.inf)
+    assert here.host_link is None and cm.allreduce_time("through_cpu", 1e6, 2, here) is None
+    two = cm.Machine("2 cores", 4, cm.Link(1e9, 0.0), math.inf, cores=2)
+    gpus = cm.Machine("gpus", 4, cm.Link(1e9, 0.0), math.inf)
+    assert cm.allreduce_time("ring", 1e8, 4, two) == pytest.approx(4 * cm.allreduce_time("ring", 1e8, 4, gpus))
+
+
+def test_predict_rows_and_errors():
+    rows = cm.predict(PCIE, [1 << 20, 1 << 24], [2, 4])
+    assert len(rows) == 4 and set(cm.STRATEGIES) <= set(rows[0])
+    assert cm.allreduce_time("ring", 1e6, 1, PCIE) == 0.0
+    with pytest.raises(ValueError, match="strategy"):
+        cm.allreduce_time("tree", 1e6, 4, PCIE)
+    assert cm.measure_reduce_bandwidth(1 << 20, repeats=2) > 1e7
+    assert cm.with_devices(PCIE, 8).devices == 8

@@ -43,15 +43,16 @@ OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2}
 def saved_activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
     """Bytes autograd keeps for the backward pass of ``model(x)`` (parameters not counted).
 
-    Tensors sharing storage (a view, the same tensor saved by two operations) count once.
+    A tensor saved by two operations counts once; a slice counts its own elements.
     """
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
+        # Key by the address of the first element: the same tensor saved twice counts once, and a
+        # slice of a bigger tensor counts its own elements, not the whole storage.
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.data_ptr()] = max(saved.get(t.data_ptr(), 0), t.numel() * t.element_size())
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

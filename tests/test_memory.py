@@ -74,3 +74,9 @@ def test_bad_input_says_what_to_do():
     with pytest.raises(ValueError, match="at least n samples"):
         footprints(SIZES, 2, 4, "data")
     assert set(STRATEGIES) >= {"data", "model", "channel"}
+
+
+def test_slices_count_their_own_elements():
+    X = torch.randn(100, 1, 28, 28)
+    parts = sum(saved_activation_bytes(mlp(SIZES), p) for p in X[:40].split(10))
+    assert parts == saved_activation_bytes(mlp(SIZES), X[:40]) == mlp_activation_bytes(SIZES, 40)

@@ -1,0 +1,169 @@
+"""``nn.DataParallel`` seen from inside: its four steps, its memory trap, its saved names.
+
+Every forward of ``nn.DataParallel(module, device_ids, output_device)``:
+
+1. **replicate** the module's parameters and buffers from ``device_ids[0]`` to every device (on
+   every step: the copies are thrown away afterwards);
+2. **scatter** the input along dimension 0 into one chunk per device;
+3. **parallel_apply**: each replica runs on its chunk, one Python thread per device;
+4. **gather** the outputs on ``output_device`` (default ``device_ids[0]``).
+
+Backward runs these in reverse, so the replicas' gradients are *summed onto device_ids[0]*, the
+only copy the optimizer updates. On a machine without a GPU ``nn.DataParallel`` just calls the
+module. ``SimulatedDataParallel`` takes the same four steps on any devices, simulated CPU devices
+included, so they can be watched; its gradients flow back to the one original module exactly as
+``nn.DataParallel``'s do.
+
+**Device 0 runs out of memory first.** Besides its share of the activations it holds the gathered
+outputs of the whole batch (and their gradients), the reduced gradients and all optimizer state:
+    mem_0 = P (1 + 1 + s) + a b_0 + 2 o B,    mem_i = 2P + a b_i + o b_i    (i > 0)
+for P parameter bytes, s optimizer slots, a activation bytes and o output bytes per example.
+Giving device 0 fewer examples (``BalancedDataParallel``, ``gpu0_bsz``) evens this out.
+
+**Names.** The wrapper holds the model as ``.module``, so its ``state_dict()`` keys start with
+``module.``; a plain model will not load them. Save ``unwrap(model).state_dict()``, and load old
+files through ``strip_module_prefix``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from .data import split_sizes
+from .data_parallel import balanced_sizes, gather, scatter
+from .memory import saved_activation_bytes
+
+__all__ = ["SimulatedDataParallel", "BalancedDataParallel", "strip_module_prefix", "unwrap",
+           "memory_per_device", "best_gpu0_bsz", "traffic_per_step"]
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model inside a (Simulated/Balanced) DataParallel or DDP wrapper."""
+    while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel,
+                             SimulatedDataParallel)):
+        model = model.module
+    return model
+
+
+def strip_module_prefix(state_dict: dict) -> dict:
+    """Drop the leading ``module.`` that a wrapper's ``state_dict()`` puts before every name."""
+    return {(k[len("module."):] if k.startswith("module.") else k): v for k, v in state_dict.items()}
+
+
+def _chunk_sizes(batch: int, n: int, gpu0_bsz: int | None, weights) -> list[int]:
+    if gpu0_bsz is not None:
+        return balanced_sizes(batch, n, gpu0_bsz)
+    return split_sizes(batch, n, weights=weights)
+
+
+class SimulatedDataParallel(nn.Module):
+    """``nn.DataParallel``'s replicate / scatter / parallel_apply / gather, on any devices.
+
+    ``gpu0_bsz`` gives device 0 that many examples (the balanced variant); ``weights`` splits in
+    proportion instead. ``trace`` keeps a list of lines describing the last forward.
+    """
+
+    def __init__(self, module: nn.Module, devices: Sequence[torch.device],
+                 output_device: torch.device | None = None, gpu0_bsz: int | None = None,
+                 weights: Sequence[float] | None = None):
+        super().__init__()
+        self.module, self.devices = module, list(devices)
+        self.output_device = output_device if output_device is not None else self.devices[0]
+        self.gpu0_bsz, self.weights = gpu0_bsz, weights
+        self.trace: list[str] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, t = len(self.devices), []
+        state = dict(self.module.named_parameters())
+        state.update(self.module.named_buffers())
+        nbytes = sum(v.numel() * v.element_size() for v in state.values())
+        # 1. replicate: .to() is differentiable, so gradients come back to the original tensors.
+        copies = [{k: v.to(d) for k, v in state.items()} for d in self.devices]
+        t.append(f"replicate      {nbytes} bytes of parameters from {self.devices[0]} to each of "
+                 f"{n - 1} other device(s)")
+        # 2. scatter
+        sizes = _chunk_sizes(len(x), n, self.gpu0_bsz, self.weights)
+        xs, _ = scatter(x, None, self.devices, sizes)
+        t.append(f"scatter        batch {tuple(x.shape)} -> " +
+                 ", ".join(f"{d}: {tuple(c.shape)}" for d, c in zip(self.devices, xs)))
+        # 3. parallel_apply (threads on GPUs; simulated devices take turns)
+        outs = [functional_call(self.module, c, (xi,)) if len(xi) else None
+                for c, xi in zip(copies, xs)]
+        t.append("parallel_apply " + ", ".join(
+            f"{d}: {tuple(o.shape) if o is not None else '-'}" for d, o in zip(self.devices, outs)))
+        # 4. gather
+        y = gather(outs, self.output_device)
+        t.append(f"gather         outputs {tuple(y.shape)} on {self.output_device}")
+        self.trace = t
+        return y
+
+
+class BalancedDataParallel(nn.DataParallel):
+    """``nn.DataParallel`` that gives GPU 0 only ``gpu0_bsz`` examples of each batch (the seeds'
+    class, rewritten): ``BalancedDataParallel(gpu0_bsz // acc_grad, net, device_ids=...)``.
+
+    With a batch of 8 on 3 GPUs and gpu0_bsz=2 the chunks are 2, 3, 3. Without GPUs it behaves as
+    ``nn.DataParallel`` does there: it calls the module.
+    """
+
+    def __init__(self, gpu0_bsz: int, *args, **kwargs):
+        if gpu0_bsz < 1:
+            raise ValueError(f"gpu0_bsz={gpu0_bsz}: give GPU 0 at least one example (to leave it "
+                             "out entirely, drop it from device_ids instead)")
+        self.gpu0_bsz = gpu0_bsz
+        super().__init__(*args, **kwargs)
+
+    def scatter(self, inputs, kwargs, device_ids):
+        from torch.nn.parallel._functions import Scatter
+        batch = next(x for x in inputs if isinstance(x, torch.Tensor)).size(self.dim)
+        sizes = balanced_sizes(batch, len(device_ids), min(self.gpu0_bsz, batch - len(device_ids) + 1))
+        chunks = [Scatter.apply(device_ids, sizes, self.dim, x) if isinstance(x, torch.Tensor)
+                  else [x] * len(device_ids) for x in inputs]
+        scattered = [tuple(c[i] for c in chunks) for i in range(len(device_ids))]
+        return scattered, [dict(kwargs or {}) for _ in device_ids]
+
+
+# ------------------------------------------------------------------------------ memory and traffic
+
+def memory_per_device(module: nn.Module, example: torch.Tensor, sizes: Sequence[int],
+                      optimizer_slots: int = 1) -> list[dict[str, int]]:
+    """Bytes each device holds in one ``nn.DataParallel`` training step (formula in the docstring).
+
+    Activation bytes per example are measured (autograd's saved tensors for one example).
+    """
+    P = sum(p.numel() * p.element_size() for p in module.parameters())
+    a = saved_activation_bytes(module, example[:1])
+    with torch.no_grad():
+        o = module(example[:1]).numel() * 4
+    B, rows = sum(sizes), []
+    for i, b in enumerate(sizes):
+        row = {"parameters": P, "gradients": P, "optimizer": optimizer_slots * P if i == 0 else 0,
+               "activations": a * b, "outputs": 2 * o * B if i == 0 else o * b}
+        row["total"] = sum(row.values())
+        rows.append(row)
+    return rows
+
+
+def best_gpu0_bsz(module: nn.Module, example: torch.Tensor, batch: int, n: int,
+                  optimizer_slots: int = 1) -> int:
+    """The share of device 0 that makes the largest per-device memory smallest."""
+    def peak(g):
+        return max(r["total"] for r in memory_per_device(
+            module, example, balanced_sizes(batch, n, g), optimizer_slots))
+    return min(range(1, batch - n + 2), key=lambda g: (peak(g), -g))
+
+
+def traffic_per_step(param_bytes: int, k: int, input_bytes: int, output_bytes: int) -> dict:
+    """Bytes through device 0's link per step: ``nn.DataParallel`` against DDP (ring, per device).
+
+    DataParallel copies the parameters out (k-1)P, the inputs out and the outputs in (the parts that
+    belong to the other k-1 devices) and sums the gradients in (k-1)P, every step; DDP moves only the
+    ring all-reduce's 2(k-1)P/k per device, overlapped with the backward pass.
+    """
+    share = (k - 1) / k
+    return {"DataParallel": int(2 * (k - 1) * param_bytes + share * (input_bytes + output_bytes)),
+            "DDP": int(2 * (k - 1) * param_bytes / k)}

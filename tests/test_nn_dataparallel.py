@@ -1,0 +1,63 @@
+"""nn.DataParallel's four steps by hand, its memory per device, and the module. prefix."""
+
+import pytest
+import torch
+from torch import nn
+
+from d2lpar import nn_dataparallel as ndp
+from d2lpar.check import check_close
+from d2lpar.data_parallel import balanced_sizes
+from d2lpar.devices import get_devices
+from d2lpar.models import lenet
+
+
+def test_simulated_dataparallel_matches_the_plain_module_in_value_and_gradient():
+    X, y = torch.rand(10, 1, 28, 28), torch.randint(0, 10, (10,))
+    plain, wrapped_net = lenet(seed=3), lenet(seed=3)
+    wrapped = ndp.SimulatedDataParallel(wrapped_net, get_devices(3), gpu0_bsz=2)
+    nn.functional.cross_entropy(plain(X), y).backward()
+    out = wrapped(X)
+    nn.functional.cross_entropy(out, y).backward()
+    check_close("outputs", out, plain(X))
+    check_close("gradients", {k: p.grad for k, p in wrapped_net.named_parameters()},
+                {k: p.grad for k, p in plain.named_parameters()}, rtol=1e-4, atol=1e-6)
+    assert len(wrapped.trace) == 4 and "(2, 1, 28, 28)" in wrapped.trace[1]
+
+
+def test_module_prefix_and_unwrap():
+    net = lenet(seed=0)
+    for wrapper in (nn.DataParallel(net), ndp.SimulatedDataParallel(net, get_devices(2))):
+        keys = list(wrapper.state_dict())
+        assert all(k.startswith("module.") for k in keys)
+        assert ndp.strip_module_prefix(wrapper.state_dict()).keys() == net.state_dict().keys()
+        assert ndp.unwrap(wrapper) is net
+    fresh = lenet(seed=5)
+    with pytest.raises(RuntimeError, match="module."):
+        fresh.load_state_dict(nn.DataParallel(net).state_dict())
+    fresh.load_state_dict(ndp.strip_module_prefix(nn.DataParallel(net).state_dict()))
+    check_close("loaded", fresh, net)
+
+
+def test_balanced_dataparallel_on_cpu_just_calls_the_module():
+    net = lenet(seed=0)
+    X = torch.rand(4, 1, 28, 28)
+    wrapped = ndp.BalancedDataParallel(2, net, dim=0)
+    if not torch.cuda.is_available():
+        check_close("BalancedDataParallel on CPU", wrapped(X), net(X))
+    with pytest.raises(ValueError, match="at least one"):
+        ndp.BalancedDataParallel(0, net)
+
+
+def test_device_zero_holds_most_and_balancing_helps():
+    net, X = lenet(seed=0), torch.rand(2, 1, 28, 28)
+    even = ndp.memory_per_device(net, X, [8, 8, 8, 8])
+    assert even[0]["total"] > max(r["total"] for r in even[1:])
+    g = ndp.best_gpu0_bsz(net, X, 32, 4)
+    balanced = ndp.memory_per_device(net, X, balanced_sizes(32, 4, g))
+    assert g < 8 and max(r["total"] for r in balanced) < even[0]["total"]
+
+
+def test_traffic_dataparallel_exceeds_ddp():
+    t = ndp.traffic_per_step(4_000_000, 4, 1_000_000, 10_000)
+    assert t["DDP"] == 2 * 3 * 4_000_000 // 4
+    assert t["DataParallel"] > 4 * t["DDP"]

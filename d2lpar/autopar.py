@@ -244,7 +244,7 @@ def list_schedule(graph: Graph, devices, speed: float | dict = 1e9, bandwidth: f
 
 
 def draw_graph(graph: Graph, where: dict[str, str] | None = None, ax=None, figsize=(8, 3)):
-    """Draw the graph left to right by depth, one colour per device or link."""
+    """Draw the graph left to right by depth, one row and colour per device or link."""
     import matplotlib.pyplot as plt
     from .plot import label_colors
     depth: dict[str, int] = {}
@@ -252,11 +252,13 @@ def draw_graph(graph: Graph, where: dict[str, str] | None = None, ax=None, figsi
         depth[op.name] = max((depth[d] + 1 for d in op.deps), default=0)
     place = where or {n: op.resource or "?" for n, op in graph.ops.items()}
     colors = label_colors(place[n] for n in graph.ops)
-    rows: dict[int, int] = {}
+    lanes = list(colors)  # one row per device or link, as on a timeline
+    taken: dict[tuple[int, int], int] = {}
     pos = {}
-    for n in sorted(graph.ops, key=lambda n: (depth[n], list(colors).index(place[n]))):
-        pos[n] = (depth[n], -rows.get(depth[n], 0))
-        rows[depth[n]] = rows.get(depth[n], 0) + 1
+    for n in graph.ops:
+        cell = (depth[n], lanes.index(place[n]))
+        k = taken[cell] = taken.get(cell, -1) + 1
+        pos[n] = (depth[n] + 0.25 * k, -cell[1] - 0.25 * k)
     if ax is None:
         _, ax = plt.subplots(figsize=figsize)
     for op in graph.ops.values():
@@ -266,10 +268,10 @@ def draw_graph(graph: Graph, where: dict[str, str] | None = None, ax=None, figsi
     for n, (px, py) in pos.items():
         ax.scatter(px, py, s=60, color=colors[place[n]], zorder=3,
                    marker="s" if graph.ops[n].kind == "copy" else "o")
-    handles = [plt.Line2D([], [], marker="o", ls="", color=c) for c in colors.values()]
-    ax.legend(handles, list(colors), loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False,
+    ax.legend([plt.Line2D([], [], marker=m, ls="", color="#888888") for m in "os"],
+              ["compute", "copy"], loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False,
               fontsize="small")
     ax.set_xlabel("depth (longest chain of inputs)")
-    ax.set_yticks([])
+    ax.set_yticks([-i for i in range(len(lanes))], lanes, fontsize="small")
     ax.figure.tight_layout()
     return ax

@@ -124,10 +124,12 @@ def train(args: argparse.Namespace) -> dict:
                                 world_size=who.world_size, timeout=timedelta(seconds=args.timeout))
     log(who, f"{who.describe()}; device {device.type}, backend {backend if who.distributed else '-'}")
     try:
-        return _fit(args, who, device)
-    finally:
-        if dist.is_initialized():
+        result = _fit(args, who, device)
+        if who.distributed:
             dist.barrier()  # nobody leaves while others still talk
+        return result
+    finally:  # also after an error, without a barrier that the failed peers would never reach
+        if dist.is_initialized():
             dist.destroy_process_group()
 
 

@@ -23,7 +23,6 @@ Three ways to get it:
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from dataclasses import dataclass, field

@@ -10,6 +10,7 @@ the best of ``--repeats`` runs. The last line states overlapped / max(compute, t
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -29,6 +30,9 @@ def main(argv=None) -> int:
     else:
         if not torch.cuda.is_available():
             print("No GPU here: measuring the CPU path (a copy thread beside the compute thread).")
+        if hasattr(os, "getloadavg"):
+            print(f"load average before the run: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPU(s) "
+                  "(other programs take cores from the two threads and push the ratio up)")
         result = cpu_overlap(target_s=args.target, copy_mb=args.copy_mb, repeats=args.repeats)
     print(result.table())
     print(f"ratio overlapped / max(compute, transfer): {result.ratio:.3f}")

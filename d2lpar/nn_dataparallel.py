@@ -16,7 +16,7 @@ included, so they can be watched; its gradients flow back to the one original mo
 
 **Device 0 runs out of memory first.** Besides its share of the activations it holds the gathered
 outputs of the whole batch (and their gradients), the reduced gradients and all optimizer state:
-    mem_0 = P (1 + 1 + s) + a b_0 + 2 o B,    mem_i = 2P + a b_i + o b_i    (i > 0)
+    mem_0 = P (2 + s) + (a + o) b_0 + 2 o B,    mem_i = 2P + (a + o) b_i    (i > 0)
 for P parameter bytes, s optimizer slots, a activation bytes and o output bytes per example.
 Giving device 0 fewer examples (``BalancedDataParallel``, ``gpu0_bsz``) evens this out.
 
@@ -38,7 +38,7 @@ from .data_parallel import balanced_sizes, gather, scatter
 from .memory import saved_activation_bytes
 
 __all__ = ["SimulatedDataParallel", "BalancedDataParallel", "strip_module_prefix", "unwrap",
-           "memory_per_device", "best_gpu0_bsz", "traffic_per_step"]
+           "model_bytes", "memory_per_device", "best_gpu0_bsz", "traffic_per_step"]
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -129,31 +129,33 @@ class BalancedDataParallel(nn.DataParallel):
 
 # ------------------------------------------------------------------------------ memory and traffic
 
-def memory_per_device(module: nn.Module, example: torch.Tensor, sizes: Sequence[int],
-                      optimizer_slots: int = 1) -> list[dict[str, int]]:
-    """Bytes each device holds in one ``nn.DataParallel`` training step (formula in the docstring).
-
-    Activation bytes per example are measured (autograd's saved tensors for one example).
-    """
+def model_bytes(module: nn.Module, example: torch.Tensor) -> dict[str, int]:
+    """P (parameter bytes), a (activation bytes per example, measured from autograd's saved
+    tensors for one example) and o (output bytes per example) of a model."""
     P = sum(p.numel() * p.element_size() for p in module.parameters())
     a = saved_activation_bytes(module, example[:1])
     with torch.no_grad():
-        o = module(example[:1]).numel() * 4
+        out = module(example[:1])
+    return {"P": P, "a": a, "o": out.numel() * out.element_size()}
+
+
+def memory_per_device(sizes: Sequence[int], P: int, a: int, o: int,
+                      optimizer_slots: int = 1) -> list[dict[str, int]]:
+    """Bytes each device holds in one ``nn.DataParallel`` training step (formula in the docstring)."""
     B, rows = sum(sizes), []
     for i, b in enumerate(sizes):
         row = {"parameters": P, "gradients": P, "optimizer": optimizer_slots * P if i == 0 else 0,
-               "activations": a * b, "outputs": 2 * o * B if i == 0 else o * b}
+               "activations": a * b, "outputs": o * b + (2 * o * B if i == 0 else 0)}
         row["total"] = sum(row.values())
         rows.append(row)
     return rows
 
 
-def best_gpu0_bsz(module: nn.Module, example: torch.Tensor, batch: int, n: int,
-                  optimizer_slots: int = 1) -> int:
+def best_gpu0_bsz(batch: int, n: int, P: int, a: int, o: int, optimizer_slots: int = 1) -> int:
     """The share of device 0 that makes the largest per-device memory smallest."""
     def peak(g):
-        return max(r["total"] for r in memory_per_device(
-            module, example, balanced_sizes(batch, n, g), optimizer_slots))
+        return max(r["total"] for r in memory_per_device(balanced_sizes(batch, n, g), P, a, o,
+                                                          optimizer_slots))
     return min(range(1, batch - n + 2), key=lambda g: (peak(g), -g))
 
 

@@ -50,10 +50,14 @@ def test_balanced_dataparallel_on_cpu_just_calls_the_module():
 
 def test_device_zero_holds_most_and_balancing_helps():
     net, X = lenet(seed=0), torch.rand(2, 1, 28, 28)
-    even = ndp.memory_per_device(net, X, [8, 8, 8, 8])
+    sizes = ndp.model_bytes(net, X)
+    assert sizes["P"] == 4 * sum(p.numel() for p in net.parameters()) and sizes["o"] == 40
+    assert sizes["a"] > 6 * 28 * 28 * 4  # at least the first convolution's output
+    even = ndp.memory_per_device([8, 8, 8, 8], **sizes)
     assert even[0]["total"] > max(r["total"] for r in even[1:])
-    g = ndp.best_gpu0_bsz(net, X, 32, 4)
-    balanced = ndp.memory_per_device(net, X, balanced_sizes(32, 4, g))
+    assert even[0]["total"] - even[1]["total"] == sizes["P"] + 2 * 40 * 32
+    g = ndp.best_gpu0_bsz(32, 4, **sizes)
+    balanced = ndp.memory_per_device(balanced_sizes(32, 4, g), **sizes)
     assert g < 8 and max(r["total"] for r in balanced) < even[0]["total"]
 
 

@@ -8,30 +8,32 @@ Two classic ways to sum a tensor of K bytes held by each of N ranks (an *all-red
   **2(N-1)K bytes go through the server**: its link carries a load that grows with N. Sharding the
   keys over S servers divides that load: with S = N each rank serves K/N bytes and sends and
   receives 2(N-1)K/N bytes.
-* **Ring all-reduce** = reduce-scatter then all-gather. Cut the tensor into N chunks; rank r sends to
-  r+1 and receives from r-1. In N-1 reduce-scatter steps each chunk travels round the ring,
+* **Ring all-reduce** = reduce-scatter then all-gather. Cut the tensor into N chunks; rank r sends
+  to r+1 and receives from r-1. In N-1 reduce-scatter steps each chunk travels round the ring,
   collecting one addend per hop, until rank r holds the full sum of chunk (r+1) mod N; in N-1
   all-gather steps the finished chunks travel round once more. Each rank sends and receives
   **2(N-1)K/N bytes**, whatever N: the bandwidth term stays near 2K as N grows.
 
-When N does not divide the tensor the chunks differ by one element; ``ring_bytes`` and ``ps_bytes``
-give the exact counts, and the formulas hold exactly when N divides it. The ring's schedule is data
-(``ring_schedule``): the same list drives the implementation, the pictures and the byte counts.
-Messages are ``isend``/``irecv`` posted together (no send/recv ordering can deadlock), chunks are
-views into the caller's tensor (no copies), and the all-gather receives straight into place.
+The parameter server is built in ``d2lpar.param_server``; this module holds the ring and what both
+share (byte counting, chunking). When N does not divide the tensor the chunks differ by one element;
+``ring_bytes`` gives the exact counts, and the formula holds exactly when N divides it. The ring's
+schedule is data (``ring_schedule``): the same list drives the implementation, the pictures and the
+byte counts. Messages are ``isend``/``irecv`` posted together (no send/recv ordering can deadlock),
+chunks are views into the caller's tensor (no copies), the all-gather receives straight into place,
+and each chunk travels in segments that are forwarded as soon as they arrive (a pipeline).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["ByteCounter", "chunk_bounds", "RingStep", "ring_schedule", "ring_reduce_scatter",
-           "ring_all_gather", "ring_all_reduce", "free_workspace", "ParameterServer", "ps_all_reduce", "ring_bytes",
-           "ps_bytes", "ps_server_formula", "ring_rank_formula", "holdings"]
+           "ring_all_gather", "ring_all_reduce", "free_workspace", "ring_bytes", "ring_rank_formula",
+           "holdings"]
 
 
 # ---------------------------------------------------------------------------------- byte counting
@@ -127,8 +129,8 @@ def _ring(flat: torch.Tensor, phases: tuple[str, ...], counter: ByteCounter, seg
     """Run this rank's steps of ``ring_schedule`` for the given phases, pipelined by segment.
 
     Each chunk is cut into ``segments`` pieces. A piece is forwarded as soon as it has arrived (and,
-    in reduce-scatter, been added), so piece j of step s+1 travels while piece j+1 of step s is still
-    on its way: adding overlaps communication and no step waits for a whole chunk. Messages carry
+    in reduce-scatter, been added), so piece j of step s+1 travels while piece j+1 of step s is
+    still on its way: adding overlaps communication and no step waits for a whole chunk. Messages carry
     tag = step * segments + piece, so they can never be matched to the wrong receive.
     """
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -213,81 +215,6 @@ def ring_all_reduce(tensor: torch.Tensor, counter: ByteCounter | None = None,
     return tensor
 
 
-# ------------------------------------------------------------------------------ parameter server
-
-class ParameterServer:
-    """A synchronous key-value store over point-to-point messages.
-
-    Ranks 0 .. servers-1 are servers (and also workers, like GPU 0 as the reducer in
-    ``nn.DataParallel``); every rank calls ``push`` and ``pull`` with the same keys. Keys are placed
-    on servers greedily by size, the same on every rank. ``push`` sends each value to its key's
-    server, which keeps the sum; ``pull`` copies the sums back into every rank's tensors.
-    """
-
-    def __init__(self, servers: int = 1, counter: ByteCounter | None = None):
-        n = dist.get_world_size()
-        if not 1 <= servers <= n:
-            raise ValueError(f"servers={servers} but there are {n} ranks: use 1 (one server) up "
-                             f"to {n} (keys sharded over every rank)")
-        self.servers, self.counter = servers, counter or ByteCounter()
-        self.store: dict[Hashable, torch.Tensor] = {}
-
-    def placement(self, values: dict[Hashable, torch.Tensor]) -> dict[Hashable, int]:
-        """Server rank of each key: the biggest keys first, each to the least loaded server."""
-        load = [0] * self.servers
-        where = {}
-        for key in sorted(values, key=lambda k: (-values[k].numel(), list(values).index(k))):
-            s = min(range(self.servers), key=lambda i: (load[i], i))
-            where[key] = s
-            load[s] += values[key].numel()
-        return where
-
-    def push(self, values: dict[Hashable, torch.Tensor]) -> None:
-        rank, n = dist.get_rank(), dist.get_world_size()
-        where = self.placement(values)
-        works, inboxes = [], []
-        for key, value in values.items():
-            server = where[key]
-            if rank != server:
-                works.append(self.counter.isend(_flat(value), server))
-                continue
-            boxes = [torch.empty_like(_flat(value)) for _ in range(n - 1)]
-            peers = [p for p in range(n) if p != rank]
-            works += [self.counter.irecv(b, p) for b, p in zip(boxes, peers)]
-            inboxes.append((key, value, boxes))
-        _wait(works)
-        for key, value, boxes in inboxes:
-            total = _flat(value).clone()
-            for b in boxes:
-                total.add_(b)
-            self.store[key] = total
-
-    def pull(self, out: dict[Hashable, torch.Tensor]) -> None:
-        rank, n = dist.get_rank(), dist.get_world_size()
-        where = self.placement(out)
-        works = []
-        for key, tensor in out.items():
-            if rank == where[key]:
-                works += [self.counter.isend(self.store[key], p) for p in range(n) if p != rank]
-                _flat(tensor).copy_(self.store[key])
-            else:
-                works.append(self.counter.irecv(_flat(tensor), where[key]))
-        _wait(works)
-
-
-def ps_all_reduce(tensor: torch.Tensor, servers: int = 1,
-                  counter: ByteCounter | None = None) -> torch.Tensor:
-    """Sum ``tensor`` over all ranks in place through a parameter server with ``servers`` shards."""
-    if dist.get_world_size() == 1:
-        return tensor
-    flat = _flat(tensor)
-    shards = {i: flat[a:b] for i, (a, b) in enumerate(chunk_bounds(flat.numel(), servers)) if b > a}
-    ps = ParameterServer(servers, counter)
-    ps.push(shards)
-    ps.pull(shards)
-    return tensor
-
-
 # ------------------------------------------------------------------------------- bytes, formulas
 
 def ring_bytes(numel: int, n: int, element_size: int = 4) -> list[dict[str, int]]:
@@ -298,25 +225,6 @@ def ring_bytes(numel: int, n: int, element_size: int = 4) -> list[dict[str, int]
         out[st.rank]["sent"] += sizes[st.send_chunk] * element_size
         out[st.rank]["received"] += sizes[st.recv_chunk] * element_size
     return out
-
-
-def ps_bytes(numel: int, n: int, element_size: int = 4, servers: int = 1) -> list[dict[str, int]]:
-    """Exact bytes each rank sends and receives in ``ps_all_reduce`` (any numel)."""
-    out = [{"sent": 0, "received": 0} for _ in range(n)]
-    for s, (a, b) in enumerate(chunk_bounds(numel, servers)):
-        k = (b - a) * element_size
-        for r in range(n):
-            if r != s:
-                out[r]["sent"] += k        # push
-                out[r]["received"] += k    # pull
-                out[s]["received"] += k
-                out[s]["sent"] += k
-    return out
-
-
-def ps_server_formula(K: float, n: int) -> float:
-    """Bytes through the one server of a parameter server: 2(N-1)K."""
-    return 2 * (n - 1) * K
 
 
 def ring_rank_formula(K: float, n: int) -> float:

@@ -103,7 +103,8 @@ def allreduce_time(strategy: str, nbytes: float, n: int, machine: Machine) -> fl
         host = machine.host_link
         cap = machine.host_bandwidth or float("inf")
         one_way = host.latency + max(K / host.bandwidth, n * K / cap)
-        return 2 * one_way + (n - 1) * K / (machine.cpu_reduce_bandwidth or machine.reduce_bandwidth)
+        adding = machine.cpu_reduce_bandwidth or machine.reduce_bandwidth
+        return 2 * one_way + (n - 1) * K / adding
     per_round = link.time(K / n) * machine.contention(n)
     return 2 * (n - 1) * per_round + (n - 1) * K / n / machine.reduce_bandwidth
 

@@ -120,7 +120,8 @@ class BalancedDataParallel(nn.DataParallel):
     def scatter(self, inputs, kwargs, device_ids):
         from torch.nn.parallel._functions import Scatter
         batch = next(x for x in inputs if isinstance(x, torch.Tensor)).size(self.dim)
-        sizes = balanced_sizes(batch, len(device_ids), min(self.gpu0_bsz, batch - len(device_ids) + 1))
+        gpu0 = min(self.gpu0_bsz, batch - len(device_ids) + 1)  # a short last batch still splits
+        sizes = balanced_sizes(batch, len(device_ids), gpu0)
         chunks = [Scatter.apply(device_ids, sizes, self.dim, x) if isinstance(x, torch.Tensor)
                   else [x] * len(device_ids) for x in inputs]
         scattered = [tuple(c[i] for c in chunks) for i in range(len(device_ids))]

@@ -1,10 +1,11 @@
-"""Hand-built collectives equal dist.all_reduce, and the bytes they send equal the formulas."""
+"""The hand-built ring (and parameter server) equal dist.all_reduce; bytes sent equal the formulas."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from d2lpar import collectives as C
+from d2lpar import param_server as PS
 from d2lpar.launch import launch
 
 SIZES = [1, 5, 7, 1000, 1003, 4099]  # none of 1000+ divisible by 3; 1 and 5 smaller than some N
@@ -27,7 +28,7 @@ def _compare_all(sizes, servers_list):
         row["ring3"] = ((got - expected).abs().max().item(), counter.sent, counter.received)
         for s in servers_list:
             counter = C.ByteCounter()
-            got = C.ps_all_reduce(x.clone(), servers=s, counter=counter)
+            got = PS.ps_all_reduce(x.clone(), servers=s, counter=counter)
             row[f"ps{s}"] = ((got - expected).abs().max().item(), counter.sent, counter.received)
         out.append(row)
     return out
@@ -48,7 +49,7 @@ def test_hand_built_equal_dist_all_reduce(n):
             for s in servers:
                 err, sent, recv = row[f"ps{s}"]
                 assert err < 1e-5, (n, rank, numel, s, err)
-                exact = C.ps_bytes(numel, n, servers=s)[rank]
+                exact = PS.ps_bytes(numel, n, servers=s)[rank]
                 assert (sent, recv) == (exact["sent"], exact["received"]), (n, s, rank, numel)
 
 
@@ -58,10 +59,10 @@ def test_formulas_hold_exactly_when_n_divides(n):
     K = numel * 4
     ring = C.ring_bytes(numel, n)
     assert all(r["sent"] == r["received"] == C.ring_rank_formula(K, n) for r in ring)
-    ps = C.ps_bytes(numel, n, servers=1)
-    assert ps[0]["sent"] + ps[0]["received"] == C.ps_server_formula(K, n)
+    ps = PS.ps_bytes(numel, n, servers=1)
+    assert ps[0]["sent"] + ps[0]["received"] == PS.ps_server_formula(K, n)
     assert all(r["sent"] == r["received"] == K for r in ps[1:])
-    sharded = C.ps_bytes(numel, n, servers=n)
+    sharded = PS.ps_bytes(numel, n, servers=n)
     assert all(r["sent"] == r["received"] == C.ring_rank_formula(K, n) for r in sharded)
 
 
@@ -83,25 +84,6 @@ def test_schedule_leaves_each_rank_one_finished_chunk():
             for r in range(n):
                 assert held[r][(r + 1) % n] == set(range(n))
     assert all(h == set(range(n)) for row in held for h in row)
-
-
-def _kv_store():
-    rank = dist.get_rank()
-    values = {"w": torch.full((3, 2), float(rank)), "b": torch.full((5,), 10.0 * rank),
-              "tiny": torch.tensor([1.0])}
-    ps = C.ParameterServer(servers=2)
-    ps.push(values)
-    pulled = {k: torch.zeros_like(v) for k, v in values.items()}
-    ps.pull(pulled)
-    return {k: v.tolist() for k, v in pulled.items()}, ps.placement(values)
-
-
-def test_key_value_store_push_pull():
-    results = launch(_kv_store, 3, timeout=30)
-    for pulled, placement in results:
-        assert pulled["w"] == [[3.0, 3.0]] * 3 and pulled["b"] == [30.0] * 5
-        assert pulled["tiny"] == [3.0]
-        assert placement == results[0][1] and set(placement.values()) == {0, 1}
 
 
 def test_helpers_and_errors():

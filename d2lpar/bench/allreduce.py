@@ -1,10 +1,10 @@
-"""All-reduce bandwidth, nccl-tests style: dist.all_reduce against the hand-built ring and parameter server.
+"""All-reduce bandwidth, nccl-tests style: dist.all_reduce, the hand-built ring, a parameter server.
 
 For each world size N and message size S (float32, summed in place) it prints the time per call, the
 algorithm bandwidth algbw = S / time and the bus bandwidth busbw = algbw * 2(N-1)/N (what each link
 carried, comparable across N; nccl-tests' definition), for ``dist.all_reduce`` (gloo here, NCCL on
-GPUs), ``d2lpar.collectives.ring_all_reduce`` and ``ps_all_reduce`` with one server. Methods are timed
-in interleaved rounds, so that a slow moment of the machine hits all of them alike, and the fastest
+GPUs), ``d2lpar.collectives.ring_all_reduce`` and ``d2lpar.param_server.ps_all_reduce`` (one
+server). Methods are timed in interleaved rounds, so that a slow moment of the machine hits all of them alike, and the fastest
 round counts (as ``timeit`` advises: other processes on a shared machine only ever add time; the
 time is the slowest rank's). The last line states the largest ring / all_reduce time ratio at 16 MB
 and 64 MB.
@@ -21,7 +21,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from d2lpar.collectives import ps_all_reduce, ring_all_reduce
+from d2lpar.collectives import ring_all_reduce
+from d2lpar.param_server import ps_all_reduce
 from d2lpar.launch import launch
 
 METHODS = ("all_reduce", "ring", "ps")
@@ -128,10 +129,12 @@ def main(argv=None) -> int:
     parser.add_argument("--max-size", default="64M", help="largest message (default 64M)")
     parser.add_argument("--factor", type=int, default=4, help="size step factor (default 4; 2 "
                         "gives every power of two, as nccl-tests -f 2)")
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds per size (best counts)")
+    parser.add_argument("--rounds", type=int, default=7,
+                        help="interleaved rounds per size (the best counts)")
     parser.add_argument("--round-time", type=float, default=0.02,
                         help="seconds of calls per method per round (at least one call)")
-    parser.add_argument("--methods", default=",".join(METHODS), help="subset of " + ",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="subset of " + ",".join(METHODS))
     parser.add_argument("--segments", type=int, default=None,
                         help="pieces per ring message (default: chosen by size)")
     parser.add_argument("--ps-servers", type=int, default=1, help="parameter-server shards")

@@ -58,6 +58,8 @@ info: setup
 
 bench: setup
 	$(PY) -m d2lpar bench launch
+	$(PY) -m d2lpar bench overlap
+	$(PY) -m d2lpar bench allreduce
 
 clean:
 	rm -rf $(BUILD)

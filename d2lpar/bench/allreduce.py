@@ -4,10 +4,10 @@ For each world size N and message size S (float32, summed in place) it prints th
 algorithm bandwidth algbw = S / time and the bus bandwidth busbw = algbw * 2(N-1)/N (what each link
 carried, comparable across N; nccl-tests' definition), for ``dist.all_reduce`` (gloo here, NCCL on
 GPUs), ``d2lpar.collectives.ring_all_reduce`` and ``d2lpar.param_server.ps_all_reduce`` (one
-server). Methods are timed in interleaved rounds, so that a slow moment of the machine hits all of them alike, and the fastest
-round counts (as ``timeit`` advises: other processes on a shared machine only ever add time; the
-time is the slowest rank's). The last line states the largest ring / all_reduce time ratio at 16 MB
-and 64 MB.
+server). Methods are timed in interleaved rounds, in rotating order, so that a slow moment of the
+machine hits all of them alike, and the fastest round counts (as ``timeit`` advises: other processes
+on a shared machine only ever add time; the time is the slowest rank's). The last line states the
+largest ring / all_reduce time ratio at 16 MB and 64 MB.
 
 Several ranks on a few CPU cores share those cores: the figures show the algorithms' relative costs
 on this machine, not what a GPU cluster would do (see ``d2lpar.costmodel`` for that).
@@ -67,8 +67,8 @@ def _worker(sizes, methods, rounds, round_s, segments, ps_servers):
         dist.all_reduce(once, op=dist.ReduceOp.MAX)
         reps = max(1, min(1000, int(round_s / max(once.item(), 1e-6))))
         times = {m: [] for m in methods}
-        for _ in range(rounds):
-            for m in methods:
+        for i in range(rounds):
+            for m in methods[i % len(methods):] + methods[:i % len(methods)]:  # rotate the order
                 dist.barrier()
                 t0 = time.perf_counter()
                 for _ in range(reps):
@@ -80,7 +80,7 @@ def _worker(sizes, methods, rounds, round_s, segments, ps_servers):
     return rows
 
 
-def run(ranks, sizes, methods=METHODS, rounds=7, round_s=0.02, segments=None, ps_servers=1,
+def run(ranks, sizes, methods=METHODS, rounds=9, round_s=0.02, segments=None, ps_servers=1,
         timeout=600.0):
     """Measure; return ``[(N, bytes, {method: seconds per call}), ...]``."""
     rows = []
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-size", default="64M", help="largest message (default 64M)")
     parser.add_argument("--factor", type=int, default=4, help="size step factor (default 4; 2 "
                         "gives every power of two, as nccl-tests -f 2)")
-    parser.add_argument("--rounds", type=int, default=7,
+    parser.add_argument("--rounds", type=int, default=9,
                         help="interleaved rounds per size (the best counts)")
     parser.add_argument("--round-time", type=float, default=0.02,
                         help="seconds of calls per method per round (at least one call)")

@@ -51,6 +51,11 @@ def launcher_free_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """This process's environment without launcher variables (RANK, SLURM_*, ...), one thread each."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS
            and not k.startswith(("SLURM_", "TORCHELASTIC_", "PET_"))}
+    # A PYTHONPYCACHEPREFIX hides the bytecode that pip compiled next to torch's sources, and with
+    # PYTHONDONTWRITEBYTECODE nothing is cached there either: each child would recompile torch from
+    # source (2-3x slower start). Children read the installed bytecode instead; they write none.
+    if env.pop("PYTHONPYCACHEPREFIX", None) is not None:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.update(extra or {})
     return env
@@ -61,7 +66,7 @@ def _replacements() -> list[tuple[str, str]]:
              (str(REPO) + os.sep, ""), (str(REPO), "."),
              (tempfile.gettempdir() + os.sep, "")]
     build = os.environ.get("D2LPAR_BUILD_DIR")
-    if build:
+    if build and REPO not in Path(build).resolve().parents:  # inside the checkout: keep build/...
         pairs.insert(0, (str(Path(build).resolve()) + os.sep, ""))
     return pairs
 

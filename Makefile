@@ -12,7 +12,7 @@ export D2LPAR_BUILD_DIR   := $(BUILD)
 export MPLCONFIGDIR       := $(BUILD)/matplotlib
 export IPYTHONDIR         := $(BUILD)/ipython
 export JUPYTER_RUNTIME_DIR := $(BUILD)/jupyter-runtime
-export PYTHONPYCACHEPREFIX := $(BUILD)/pycache
+# No .pyc files in the checkout; installed packages keep the bytecode pip compiled for them.
 export PYTHONDONTWRITEBYTECODE := 1
 
 NBVAL_OPTS := --nbval-lax --nbval-current-env --nbval-cell-timeout=600 \

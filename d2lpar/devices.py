@@ -90,9 +90,11 @@ def get_devices(n: int | None = None, *, simulate: bool = True) -> list[torch.de
     if not simulate:
         raise DeviceError(f"asked for {n} GPUs but this machine has {gpus}: ask for at most {gpus}, "
                           "or pass simulate=True to run on simulated CPU devices")
+    devs = "a device" if n == 1 else f"{n} devices"
+    names = "cpu:0" if n == 1 else f"cpu:0 .. cpu:{n - 1}"
     _say_once(("simulate", n, gpus),
-              f"Asked for {n} devices, found {gpus} GPU(s): simulating {n} devices on the CPU "
-              f"(cpu:0 .. cpu:{n - 1}). Results are exact; timings are not those of {n} GPUs.")
+              f"Asked for {devs}, found {gpus} GPU(s): simulating {devs} on the CPU ({names}). "
+              f"Results are exact; timings are not those of {'a GPU' if n == 1 else f'{n} GPUs'}.")
     return [torch.device("cpu", i) for i in range(n)]
 
 

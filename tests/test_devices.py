@@ -28,6 +28,8 @@ def test_simulated_devices_when_there_are_too_few_gpus(no_gpus, capsys):
     assert "simulating 3 devices on the CPU" in capsys.readouterr().out
     devices.get_devices(3)
     assert capsys.readouterr().out == "", "the simulation notice is said once"
+    devices.get_devices(1)
+    assert "Asked for a device, found 0 GPU(s): simulating a device on the CPU (cpu:0)" in capsys.readouterr().out
 
 
 def test_simulated_device_holds_tensors(no_gpus):

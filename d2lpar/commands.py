@@ -27,13 +27,14 @@ import uuid
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-__all__ = ["CommandFailed", "Running", "free_port", "launcher_free_env", "pretty", "run", "start",
-           "REPO"]
+__all__ = ["CommandFailed", "Running", "free_port", "launcher_free_env", "leftovers", "pretty", "run",
+           "start", "REPO"]
 
 REPO = Path(__file__).resolve().parents[1]  # the folder that holds the d2lpar package
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                  "MASTER_ADDR", "MASTER_PORT")
 TAG = "D2LPAR_RUN_TAG"
+_started: set[str] = set()  # the tags of every command this process started
 
 
 class CommandFailed(RuntimeError):
@@ -88,21 +89,34 @@ def pretty(cmd: Sequence[str], env: Mapping[str, str] | None = None, cwd=None) -
     return (prefix + " " if prefix else "") + " ".join(shlex.quote(w) for w in words)
 
 
-def _tagged(tag: str) -> list[int]:
+def _tagged(*tags: str) -> list[int]:
     pids = []
-    if not os.path.isdir("/proc"):
+    if not os.path.isdir("/proc") or not tags:
         return pids
-    needle = f"{TAG}={tag}".encode()
+    needles = {f"{TAG}={tag}".encode() for tag in tags}
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid():
             continue
         try:
             with open(f"/proc/{name}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
+                if needles.intersection(f.read().split(b"\0")):
                     pids.append(int(name))
         except OSError:
             continue
     return pids
+
+
+def leftovers() -> list[int]:
+    """Processes still alive from any command this process started (Linux; [] elsewhere)."""
+    return [pid for pid in _tagged(*_started) if _alive(pid)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -119,6 +133,7 @@ class Running:
 
     def __init__(self, cmd: Sequence[str], env: Mapping[str, str], cwd=None):
         self.cmd, self.cwd, self.tag = [str(c) for c in cmd], cwd, uuid.uuid4().hex
+        _started.add(self.tag)
         self.lines: list[str] = []
         self.returncode: int | None = None
         self.started = time.perf_counter()

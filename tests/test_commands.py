@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from d2lpar.commands import REPO, CommandFailed, free_port, launcher_free_env, pretty, run, start
+from d2lpar.commands import REPO, CommandFailed, free_port, launcher_free_env, leftovers, pretty, run, start
 
 # A parent that starts a child in a session of its own (as torchrun does with its workers), then waits.
 ESCAPER = textwrap.dedent("""
@@ -43,7 +43,7 @@ def test_timeout_kills_the_whole_tree_even_children_in_their_own_session():
     finally:
         job.stop()
     time.sleep(0.1)
-    assert not any(_alive(p) for p in pids)
+    assert not any(_alive(p) for p in pids) and leftovers() == []
     with pytest.raises(CommandFailed, match="ran past 0.5 s"):
         run([sys.executable, "-c", ESCAPER], timeout=0.5)
 

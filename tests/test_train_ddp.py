@@ -14,7 +14,7 @@ import torch
 
 from d2lpar import checkpoint
 from d2lpar.check import check_close
-from d2lpar.commands import REPO, free_port, run, start
+from d2lpar.commands import REPO, free_port, leftovers, run, start
 from d2lpar.env import EnvError
 from d2lpar.examples import train_ddp
 
@@ -23,6 +23,12 @@ ARGS = ["--train-size", "512", "--epochs", "3", "--batch-size", "32", "--timeout
 PY = sys.executable
 TORCHRUN = [PY, "-m", "torch.distributed.run"]
 TIMEOUT = 90
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind():
+    yield
+    assert leftovers() == [], "a launcher or worker outlived its test"
 
 
 def final_weights(folder):

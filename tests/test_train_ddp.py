@@ -116,7 +116,7 @@ def test_slurm_variables(single, tmp_path):
 
 
 def test_killed_rank_is_restarted_and_resumes(standalone, tmp_path):
-    # In torch 2.5 to 2.14 the restarted workers share the rendezvous store with the failed ones and
+    # With torch 2.14.1 the restarted workers share the rendezvous store with the failed ones and
     # can read their stale gloo addresses: connectFullMesh fails or hangs (pytorch#135712). Opting
     # out of the shared store makes restarts reliable.
     job = start([*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", SCRIPT, *ARGS,

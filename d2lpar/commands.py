@@ -52,11 +52,6 @@ def launcher_free_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """This process's environment without launcher variables (RANK, SLURM_*, ...), one thread each."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS
            and not k.startswith(("SLURM_", "TORCHELASTIC_", "PET_"))}
-    # A PYTHONPYCACHEPREFIX hides the bytecode that pip compiled next to torch's sources, and with
-    # PYTHONDONTWRITEBYTECODE nothing is cached there either: each child would recompile torch from
-    # source (2-3x slower start). Children read the installed bytecode instead; they write none.
-    if env.pop("PYTHONPYCACHEPREFIX", None) is not None:
-        env["PYTHONDONTWRITEBYTECODE"] = "1"
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.update(extra or {})
     return env

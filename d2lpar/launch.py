@@ -23,6 +23,7 @@ How it differs from ``torch.multiprocessing.spawn``:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing as mp
 import multiprocessing.connection
@@ -155,6 +156,27 @@ def _forkserver():
     return _context
 
 
+@contextlib.contextmanager
+def _main_not_rerun():
+    """Start ranks without re-running the caller's ``__main__`` in them.
+
+    multiprocessing normally re-imports the main script (or module) in every child so that functions
+    defined there can be found by name. Ranks receive ``fn`` by value, so that is pure cost (for
+    ``python -m pytest`` it imports pytest in every rank), and a script without an
+    ``if __name__ == "__main__":`` guard would launch itself again from every rank.
+    """
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main and k in main.__dict__}
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__spec__ = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
+
+
 def _free_port(addr: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((addr, 0))
@@ -176,6 +198,7 @@ def _open_store(addr: str, port: int, world_size: int, timeout_s: float):
 
 
 def _stop(procs) -> None:
+    procs = [p for p in procs if p.pid is not None]  # a rank whose start failed has nothing to stop
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -230,15 +253,9 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
 
     procs, readers = [], []
     try:
-        for rank in range(world_size):
-            reader, writer = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_rank_main, name=f"d2lpar-rank{rank}",
-                            args=(rank, world_size, payload, writer, shared_env, chosen,
-                                  threads_per_rank, timeout, capture_output, init_process_group))
-            p.start()
-            writer.close()
-            procs.append(p)
-            readers.append(reader)
+        with _main_not_rerun():
+            _start_ranks(ctx, procs, readers, world_size, payload, shared_env, chosen,
+                         threads_per_rank, timeout, capture_output, init_process_group)
         results, outputs = _collect(procs, readers, world_size, timeout)
     finally:
         _stop(procs)
@@ -250,6 +267,19 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
             for line in text.rstrip("\n").splitlines():
                 print(f"[rank {rank}] {line}")
     return results
+
+
+def _start_ranks(ctx, procs, readers, world_size, payload, env, backend, threads, timeout,
+                 capture, init_group) -> None:
+    for rank in range(world_size):
+        reader, writer = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_rank_main, name=f"d2lpar-rank{rank}",
+                        args=(rank, world_size, payload, writer, env, backend, threads, timeout,
+                              capture, init_group))
+        procs.append(p)
+        readers.append(reader)
+        p.start()
+        writer.close()
 
 
 def _collect(procs, readers, world_size: int, timeout: float):

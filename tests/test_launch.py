@@ -190,3 +190,23 @@ def test_launches_are_cheap_after_the_first(no_strays):
     for _ in range(3):
         launch(_all_reduce, 4, 0)
     assert (time.perf_counter() - t0) / 3 < 2.0, "a warm launch of 4 ranks should take well under 2 s"
+
+
+def test_a_script_without_a_main_guard(tmp_path):
+    # Ranks get the worker by value, so they never re-run the calling script: no
+    # `if __name__ == "__main__":` is needed, and the script does not launch itself again.
+    import subprocess
+    import sys
+    script = tmp_path / "no_guard.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from d2lpar.launch import launch
+        def worker():
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            return t.item()
+        print("results", launch(worker, 2))
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("results [2.0, 2.0]") == 1

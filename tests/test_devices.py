@@ -21,7 +21,8 @@ def two_gpus(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
-def test_simulated_devices_when_there_are_too_few_gpus(no_gpus, capsys):
+def test_simulated_devices_when_there_are_too_few_gpus(no_gpus, capsys, monkeypatch):
+    monkeypatch.setattr(devices, "_announced", set())  # other tests may have had the notice said
     devs = devices.get_devices(3)
     assert devs == [torch.device("cpu", i) for i in range(3)]
     assert all(devices.is_simulated(d) for d in devs)

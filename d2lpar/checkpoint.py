@@ -36,9 +36,15 @@ class CheckpointError(RuntimeError):
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model inside DistributedDataParallel or DataParallel (else the model itself)."""
-    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
-    return model.module if isinstance(model, wrappers) else model
+    """The plain model inside its wrappers (else the model itself).
+
+    DistributedDataParallel, DataParallel and the course's simulated and balanced variants all keep
+    the wrapped model in ``.module`` (hence the ``module.`` prefix in their state dicts); every such
+    layer is peeled. (A model of your own that names a submodule ``module`` would be peeled too.)
+    """
+    while isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -39,6 +39,8 @@ from typing import Any, Callable
 import cloudpickle
 import torch
 
+from .commands import free_port
+
 __all__ = ["launch", "choose_backend", "LaunchError", "RankFailed", "LaunchTimeout"]
 
 
@@ -177,12 +179,6 @@ def _main_not_rerun():
             main.__dict__.update(saved)
 
 
-def _free_port(addr: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
-
-
 def _open_store(addr: str, port: int, world_size: int, timeout_s: float):
     """Host the rendezvous store in the caller: binding port 0 picks a free port with no race."""
     import torch.distributed as dist
@@ -246,7 +242,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         store = _open_store(master_addr, master_port, world_size, timeout)
         port = store.port
     else:
-        port = master_port or _free_port(master_addr)
+        port = master_port or free_port(master_addr)
     shared_env = {"MASTER_ADDR": master_addr, "MASTER_PORT": str(port),
                   "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
                   "OMP_NUM_THREADS": str(threads_per_rank), **(env or {})}

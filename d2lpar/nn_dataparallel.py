@@ -33,20 +33,13 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from .checkpoint import unwrap
 from .data import split_sizes
 from .data_parallel import balanced_sizes, gather, scatter
 from .memory import saved_activation_bytes
 
 __all__ = ["SimulatedDataParallel", "BalancedDataParallel", "strip_module_prefix", "unwrap",
            "model_bytes", "memory_per_device", "best_gpu0_bsz", "traffic_per_step"]
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model inside a (Simulated/Balanced) DataParallel or DDP wrapper."""
-    while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel,
-                             SimulatedDataParallel)):
-        model = model.module
-    return model
 
 
 def strip_module_prefix(state_dict: dict) -> dict:

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-from d2lpar.launch import _free_port, launch
+from d2lpar.commands import free_port
+from d2lpar.launch import launch
 
 
 def _allreduce() -> float:
@@ -47,7 +48,7 @@ def time_spawn(n: int, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        tmp.spawn(_spawned, args=(n, _free_port("127.0.0.1")), nprocs=n, join=True)
+        tmp.spawn(_spawned, args=(n, free_port()), nprocs=n, join=True)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

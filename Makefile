@@ -29,8 +29,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
+# As root (containers, some cloud machines) JupyterLab refuses to start without --allow-root.
 lab: setup
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) notebooks/
 
 test: setup
 	$(PY) -m pytest -q tests

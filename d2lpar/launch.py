@@ -75,7 +75,8 @@ def choose_backend(world_size: int, backend: str = "auto") -> tuple[str, str]:
     nccl = torch.distributed.is_nccl_available() and gpus > 0
     if backend == "auto":
         if nccl and gpus >= world_size:
-            return "nccl", f"{gpus} GPU(s) for {world_size} rank(s): one GPU per rank, so NCCL"
+            return "nccl", (f"{gpus} GPU(s) for {world_size} rank(s): one GPU per rank, so NCCL "
+                            "for CUDA tensors, with gloo for CPU tensors")
         if gpus == 0:
             return "gloo", "no GPU here, so gloo on the CPU"
         return "gloo", (f"{world_size} ranks but {gpus} GPU(s): NCCL needs a GPU per rank, so gloo "
@@ -121,9 +122,11 @@ def _rank_main(rank: int, world_size: int, payload: bytes, conn, env: dict, back
         if backend == "nccl":
             torch.cuda.set_device(rank)
         if init_group:
+            # With NCCL, CPU tensors still need a backend: gloo carries them, NCCL the CUDA ones.
+            group_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
             store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size,
                                   is_master=False, timeout=timedelta(seconds=timeout_s))
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+            dist.init_process_group(group_backend, store=store, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout_s))
         result = fn(*args, **kwargs)
         if dist.is_initialized():

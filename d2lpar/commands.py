@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-__all__ = ["CommandFailed", "Running", "free_port", "launcher_free_env", "leftovers", "pretty", "run",
+__all__ = ["CommandFailed", "Running", "free_port", "is_alive", "launcher_free_env", "leftovers", "pretty", "run",
            "start", "REPO"]
 
 REPO = Path(__file__).resolve().parents[1]  # the folder that holds the d2lpar package
@@ -103,10 +103,11 @@ def _tagged(*tags: str) -> list[int]:
 
 def leftovers() -> list[int]:
     """Processes still alive from any command this process started (Linux; [] elsewhere)."""
-    return [pid for pid in _tagged(*_started) if _alive(pid)]
+    return [pid for pid in _tagged(*_started) if is_alive(pid)]
 
 
-def _alive(pid: int) -> bool:
+def is_alive(pid: int) -> bool:
+    """Whether the process runs (a zombie, dead but not yet reaped, does not count)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"

@@ -8,20 +8,15 @@ import platform
 import torch
 
 from .devices import DeviceError, gpu_count
+from .workers import cores
 
 __all__ = ["machine_report"]
-
-
-def _cores() -> tuple[int, int]:
-    total = os.cpu_count() or 1
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else total
-    return total, usable
 
 
 def machine_report() -> str:
     import torch.distributed as dist
     lines = []
-    total, usable = _cores()
+    total, usable = os.cpu_count() or 1, cores()
     lines.append(f"Python {platform.python_version()} on {platform.system()} {platform.machine()}")
     lines.append(f"CPU cores: {usable} usable of {total}; torch uses {torch.get_num_threads()} "
                  "compute threads")

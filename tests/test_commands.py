@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from d2lpar.commands import REPO, CommandFailed, free_port, launcher_free_env, leftovers, pretty, run, start
+from d2lpar.commands import (REPO, CommandFailed, free_port, is_alive, launcher_free_env, leftovers,
+                             pretty, run, start)
 
 # A parent that starts a child in a session of its own (as torchrun does with its workers), then waits.
 ESCAPER = textwrap.dedent("""
@@ -16,14 +17,6 @@ ESCAPER = textwrap.dedent("""
     print("child started", flush=True)
     time.sleep(60)
 """)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_output_and_exit_code():
@@ -43,7 +36,7 @@ def test_timeout_kills_the_whole_tree_even_children_in_their_own_session():
     finally:
         job.stop()
     time.sleep(0.1)
-    assert not any(_alive(p) for p in pids) and leftovers() == []
+    assert not any(is_alive(p) for p in pids) and leftovers() == []
     with pytest.raises(CommandFailed, match="ran past 0.5 s"):
         run([sys.executable, "-c", ESCAPER], timeout=0.5)
 

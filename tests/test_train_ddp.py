@@ -31,6 +31,16 @@ def nothing_left_behind():
     assert leftovers() == [], "a launcher or worker outlived its test"
 
 
+def wait_all(jobs):
+    """Wait for commands started together (one per node or task); all must succeed."""
+    try:
+        codes = [job.wait(TIMEOUT) for job in jobs]
+    finally:
+        for job in jobs:
+            job.stop()
+    assert codes == [0] * len(jobs), "\n".join(job.text()[-2000:] for job in jobs)
+
+
 def final_weights(folder):
     state = checkpoint.load(os.path.join(folder, "last.pt"))
     assert state["epoch"] == 2
@@ -78,12 +88,7 @@ def test_two_nodes_simulated_on_this_machine(single, tmp_path, rendezvous):
                           "--rdzv-id=test-job"]
     jobs = [start([*TORCHRUN, *node(n), "--nproc-per-node=1", SCRIPT, *ARGS, "--ckpt-dir",
                    str(tmp_path)]) for n in range(2)]
-    try:
-        codes = [job.wait(TIMEOUT) for job in jobs]
-    finally:
-        for job in jobs:
-            job.stop()
-    assert codes == [0, 0], "\n".join(job.text()[-2000:] for job in jobs)
+    wait_all(jobs)
     text = "\n".join(job.text() for job in jobs)
     assert "rank 0 of 2, local rank 0 of 1 on node 0" in text
     check_close(f"2 nodes x 1 rank ({rendezvous}) == 1 process", final_weights(tmp_path), single,
@@ -105,12 +110,7 @@ def test_slurm_variables(single, tmp_path):
               "SLURM_NODELIST": "localhost", "SLURM_JOB_ID": "4242", "MASTER_PORT": str(free_port())}
     jobs = [start([PY, SCRIPT, *ARGS, "--ckpt-dir", str(tmp_path)],
                   env={**shared, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}) for r in range(2)]
-    try:
-        codes = [job.wait(TIMEOUT) for job in jobs]
-    finally:
-        for job in jobs:
-            job.stop()
-    assert codes == [0, 0], "\n".join(job.text()[-2000:] for job in jobs)
+    wait_all(jobs)
     assert "slurm: rank 0 of 2, local rank 0 of 2 on node 0, master localhost" in jobs[0].text()
     check_close("SLURM, 2 tasks == 1 process", final_weights(tmp_path), single, rtol=1e-4, atol=1e-5)
 

@@ -1,6 +1,6 @@
 """d2lpar: the tested helpers behind the course on parallel and distributed training in PyTorch.
 
-Import the module you need (``from d2lpar import devices, launch``); importing the package itself is
+Import the module you need (``from d2lpar.infra import devices``, ``from d2lpar.processes.launch import launch``); importing the package itself is
 cheap and pulls in nothing but this docstring and the version.
 """
 

@@ -7,8 +7,8 @@ import platform
 
 import torch
 
-from .devices import DeviceError, gpu_count
-from .workers import cores
+from d2lpar.infra.devices import DeviceError, gpu_count
+from d2lpar.infra.workers import cores
 
 __all__ = ["machine_report"]
 

@@ -2,9 +2,9 @@ import pytest
 import torch
 from torch import nn
 
-from d2lpar.autopar import (Graph, data_parallel_graph, draw_graph, forward_graph,
-                            independent_parts, list_schedule)
-from d2lpar.models import mlp
+from d2lpar.cost.autopar import (Graph, data_parallel_graph, draw_graph, forward_graph,
+                                 independent_parts, list_schedule)
+from d2lpar.infra.models import mlp
 
 
 class TwoTower(nn.Module):

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from d2lpar.check import CheckFailed, check, check_close, check_equal
+from d2lpar.infra.check import CheckFailed, check, check_close, check_equal
 
 
 def test_check_prints_one_line(capsys):

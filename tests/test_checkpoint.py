@@ -1,4 +1,4 @@
-"""d2lpar.checkpoint: atomic saves survive a kill mid-save; loads are weights_only; mismatches are clear."""
+"""d2lpar.processes.checkpoint: atomic saves survive a kill mid-save; loads are weights_only; mismatches are clear."""
 
 import os
 import signal
@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from d2lpar import checkpoint
-from d2lpar.checkpoint import CheckpointError
-from d2lpar.commands import start
-from d2lpar.models import lenet, mlp
+from d2lpar.processes import checkpoint
+from d2lpar.processes.checkpoint import CheckpointError
+from d2lpar.processes.commands import start
+from d2lpar.infra.models import lenet, mlp
 
 
 def test_round_trip_restores_model_optimizer_and_epoch(tmp_path):
@@ -92,7 +92,7 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path):
 
 SAVER = textwrap.dedent("""
     import sys, torch
-    from d2lpar import checkpoint
+    from d2lpar.processes import checkpoint
     path, big = sys.argv[1], torch.zeros(4_000_000)   # 16 MB: each save takes a while
     step = 0
     while True:

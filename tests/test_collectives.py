@@ -1,56 +1,82 @@
-"""The hand-built ring (and parameter server) equal dist.all_reduce; bytes sent equal the formulas."""
+"""The hand-built ring (and parameter server) give the sum computed in the caller; bytes equal the formulas."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from d2lpar import collectives as C
-from d2lpar import param_server as PS
-from d2lpar.launch import launch
+from d2lpar.comm import collectives as C
+from d2lpar.comm import param_server as PS
+from d2lpar.infra.data import chunk_bounds
+from d2lpar.processes.launch import launch
 
 SIZES = [1, 5, 7, 1000, 1003, 4099]  # none of 1000+ divisible by 3; 1 and 5 smaller than some N
 
 
-def _compare_all(sizes, servers_list):
-    """On every rank: run each hand-built all-reduce on random data; return errors and bytes."""
-    rank, n = dist.get_rank(), dist.get_world_size()
+def _data(rank: int, numel: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(100 * rank + numel))
+
+
+def _run_all(sizes, servers_list):
+    """On every rank: run each hand-built all-reduce on this rank's data; return results and bytes."""
+    rank = dist.get_rank()
     out = []
     for numel in sizes:
-        x = torch.randn(numel, generator=torch.Generator().manual_seed(100 * rank + numel))
-        expected = x.clone()
-        dist.all_reduce(expected)
+        x = _data(rank, numel)
         row = {"numel": numel}
-        counter = C.ByteCounter()
-        got = C.ring_all_reduce(x.clone(), counter)
-        row["ring"] = ((got - expected).abs().max().item(), counter.sent, counter.received)
-        counter = C.ByteCounter()
-        got = C.ring_all_reduce(x.clone(), counter, segments=3)
-        row["ring3"] = ((got - expected).abs().max().item(), counter.sent, counter.received)
-        for s in servers_list:
+        for name, run in [("ring", lambda t, c: C.ring_all_reduce(t, c)),
+                          ("ring3", lambda t, c: C.ring_all_reduce(t, c, segments=3))] + \
+                [(f"ps{s}", lambda t, c, s=s: PS.ps_all_reduce(t, servers=s, counter=c))
+                 for s in servers_list]:
             counter = C.ByteCounter()
-            got = PS.ps_all_reduce(x.clone(), servers=s, counter=counter)
-            row[f"ps{s}"] = ((got - expected).abs().max().item(), counter.sent, counter.received)
+            row[name] = (run(x.clone(), counter), counter.sent, counter.received)
         out.append(row)
     return out
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_hand_built_equal_dist_all_reduce(n):
+def test_hand_built_all_reduce_equals_the_sum_computed_here(n):
     servers = sorted({1, 2 if n > 2 else 1, n})
-    results = launch(_compare_all, n, SIZES, servers, timeout=60)
-    for rank, rows in enumerate(results):
-        for row in rows:
-            numel = row["numel"]
-            err, sent, recv = row["ring"]
-            assert err < 1e-5, (n, rank, numel, err)
-            exact = C.ring_bytes(numel, n)[rank]
-            assert (sent, recv) == (exact["sent"], exact["received"])
-            assert row["ring3"][0] < 1e-5 and row["ring3"][1:] == (sent, recv)
-            for s in servers:
-                err, sent, recv = row[f"ps{s}"]
-                assert err < 1e-5, (n, rank, numel, s, err)
-                exact = PS.ps_bytes(numel, n, servers=s)[rank]
-                assert (sent, recv) == (exact["sent"], exact["received"]), (n, s, rank, numel)
+    results = launch(_run_all, n, SIZES, servers, timeout=60)
+    for numel in SIZES:
+        inputs = [_data(r, numel) for r in range(n)]
+        total = torch.stack(inputs).sum(0)  # the sum, computed in this process
+        for rank, rows in enumerate(results):
+            row = next(r for r in rows if r["numel"] == numel)
+            assert not torch.allclose(inputs[rank], total)  # differ before ...
+            for name in ["ring", "ring3"] + [f"ps{s}" for s in servers]:
+                got, sent, recv = row[name]
+                torch.testing.assert_close(got, total, msg=f"{name}, n={n}, rank {rank}, numel {numel}")
+                exact = (C.ring_bytes(numel, n) if name.startswith("ring")
+                         else PS.ps_bytes(numel, n, servers=int(name[2:])))[rank]
+                assert (sent, recv) == (exact["sent"], exact["received"]), (name, n, rank, numel)
+
+
+def _reduce_scatter_then_gather(numel):
+    rank = dist.get_rank()
+    x = _data(rank, numel)
+    counter = C.ByteCounter()
+    start, stop = C.ring_reduce_scatter(x, counter)
+    mine = x[start:stop].clone()
+    held = len(C._workspace)  # the ring keeps its receive buffers between calls ...
+    C.free_workspace()        # ... until told to give them back
+    freed = len(C._workspace)
+    C.ring_all_gather(x, counter)
+    return {"bounds": (start, stop), "mine": mine, "gathered": x, "sent": counter.sent,
+            "held": held, "freed": freed}
+
+
+@pytest.mark.parametrize("n,numel", [(2, 10), (3, 7), (4, 1003)])
+def test_reduce_scatter_then_all_gather(n, numel):
+    results = launch(_reduce_scatter_then_gather, n, numel, timeout=60)
+    total = torch.stack([_data(r, numel) for r in range(n)]).sum(0)
+    chunks = chunk_bounds(numel, n)
+    for rank, out in enumerate(results):
+        a, b = out["bounds"]
+        assert (a, b) == chunks[(rank + 1) % n], "rank r finishes chunk (r+1) mod n"
+        torch.testing.assert_close(out["mine"], total[a:b])
+        torch.testing.assert_close(out["gathered"], total)
+        assert out["sent"] == C.ring_bytes(numel, n)[rank]["sent"]
+        assert out["held"] == 1 and out["freed"] == 0
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
@@ -87,10 +113,6 @@ def test_schedule_leaves_each_rank_one_finished_chunk():
 
 
 def test_helpers_and_errors():
-    assert C.chunk_bounds(7, 3) == [(0, 3), (3, 5), (5, 7)]
-    assert C.chunk_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
-    with pytest.raises(ValueError, match="n >= 1"):
-        C.chunk_bounds(4, 0)
     with pytest.raises(ValueError, match="contiguous"):
         C._flat(torch.zeros(3, 4).t())
     text = C.holdings("all_reduce", [torch.tensor([1.0]), torch.tensor([2.0])],

@@ -1,4 +1,4 @@
-"""d2lpar.commands: commands end at their timeout, leave no process behind, print without machine paths."""
+"""d2lpar.processes.commands: commands end at their timeout, leave no process behind, print without machine paths."""
 
 import os
 import sys
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from d2lpar.commands import (REPO, CommandFailed, free_port, is_alive, launcher_free_env, leftovers,
-                             pretty, run, start)
+from d2lpar.processes.commands import (REPO, CommandFailed, free_port, is_alive, launcher_free_env,
+                                       leftovers, pretty, run, start)
 
 # A parent that starts a child in a session of its own (as torchrun does with its workers), then waits.
 ESCAPER = textwrap.dedent("""

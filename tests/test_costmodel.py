@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from d2lpar import costmodel as cm
-from d2lpar.collectives import ring_rank_formula
-from d2lpar.param_server import ps_server_formula
+from d2lpar.cost import costmodel as cm
+from d2lpar.comm.collectives import ring_rank_formula
+from d2lpar.comm.param_server import ps_server_formula
 
 PCIE = cm.MACHINES["4 GPUs, PCIe 3.0"]
 

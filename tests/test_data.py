@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from d2lpar.data import split_batch, split_sizes
+from d2lpar.infra.data import chunk_bounds, even_sizes, split_batch, split_sizes
 
 
 @pytest.mark.parametrize("b,n", [(8, 2), (10, 3), (7, 7), (1000, 8), (9, 4)])
@@ -42,3 +42,20 @@ def test_split_batch_on_cpu_devices():
 def test_split_batch_mismatch():
     with pytest.raises(ValueError, match="must match"):
         split_batch(torch.zeros(4, 1), torch.zeros(3), [torch.device("cpu")] * 2)
+
+
+def test_one_cutting_rule_for_batches_and_tensors():
+    assert chunk_bounds(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert chunk_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]  # a short tensor: empty chunks
+    for total, n in [(7, 3), (10, 4), (1000, 8)]:
+        assert split_sizes(total, n) == even_sizes(total, n) == [b - a for a, b in chunk_bounds(total, n)]
+    with pytest.raises(ValueError, match="n >= 1"):
+        chunk_bounds(4, 0)
+
+
+def test_split_batch_with_given_sizes():
+    devs = [torch.device("cpu", i) for i in range(2)]
+    xs, ys = split_batch(torch.arange(5), torch.arange(5), devs, sizes=[1, 4])
+    assert [len(x) for x in xs] == [1, 4] and torch.equal(torch.cat(ys), torch.arange(5))
+    with pytest.raises(ValueError, match="adding up"):
+        split_batch(torch.arange(5), None, devs, sizes=[1, 1])

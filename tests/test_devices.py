@@ -3,8 +3,8 @@ import argparse
 import pytest
 import torch
 
-from d2lpar import devices
-from d2lpar.devices import DeviceError
+from d2lpar.infra import devices
+from d2lpar.infra.devices import DeviceError
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
-"""d2lpar.env: who-am-I from torchrun, the legacy launcher, SLURM or nothing; clear errors."""
+"""d2lpar.processes.env: who-am-I from torchrun, the legacy launcher, SLURM or nothing; clear errors."""
 
 import pytest
 
-from d2lpar.env import DistEnv, EnvError, detect, expand_nodelist, local_rank_from_argv, slurm_master_port
+from d2lpar.processes.env import DistEnv, EnvError, detect, expand_nodelist, local_rank_from_argv, slurm_master_port
 
 
 def torchrun_env(rank, world, local, local_world, node=0, **extra):

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import torch
 
-from d2lpar.launch import LaunchError, LaunchTimeout, RankFailed, choose_backend, launch
+from d2lpar.processes.launch import LaunchError, LaunchTimeout, RankFailed, choose_backend, launch
 
 
 def _children() -> set[int]:
@@ -200,7 +200,7 @@ def test_a_script_without_a_main_guard(tmp_path):
     script = tmp_path / "no_guard.py"
     script.write_text(textwrap.dedent("""
         import torch, torch.distributed as dist
-        from d2lpar.launch import launch
+        from d2lpar.processes.launch import launch
         def worker():
             t = torch.ones(1)
             dist.all_reduce(t)

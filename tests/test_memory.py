@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from d2lpar.memory import (STRATEGIES, footprints, mlp_activation_bytes, partition_layers,
-                           saved_activation_bytes)
-from d2lpar.models import lenet, mlp
+from d2lpar.cost.memory import STRATEGIES, footprints, mlp_activation_bytes, partition_layers
+from d2lpar.infra.activations import saved_activation_bytes
+from d2lpar.infra.models import lenet, mlp
 
 SIZES = (784, 128, 64, 32, 10)
 

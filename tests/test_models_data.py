@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from d2lpar import data, models
+from d2lpar.infra import data, models
 
 
 def test_digits_ship_with_the_course():

@@ -4,11 +4,11 @@ import pytest
 import torch
 from torch import nn
 
-from d2lpar import nn_dataparallel as ndp
-from d2lpar.check import check_close
-from d2lpar.data_parallel import balanced_sizes
-from d2lpar.devices import get_devices
-from d2lpar.models import lenet
+from d2lpar.strategies import nn_dataparallel as ndp
+from d2lpar.infra.check import check_close
+from d2lpar.strategies.data_parallel import balanced_sizes
+from d2lpar.infra.devices import get_devices
+from d2lpar.infra.models import lenet
 
 
 def test_simulated_dataparallel_matches_the_plain_module_in_value_and_gradient():

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from d2lpar.launch import launch
-from d2lpar.overlap import (OverlapResult, cpu_overlap, cuda_overlap, gloo_overlap_worker,
-                            matmul_loop, unsynchronized_readback)
+from d2lpar.processes.launch import launch
+from d2lpar.comm.overlap import (OverlapResult, cpu_overlap, cuda_overlap, gloo_overlap_worker,
+                                 matmul_loop, unsynchronized_readback)
 
 
 def test_result_ratio_and_table():
@@ -35,9 +35,17 @@ def test_matmul_loop_is_bounded_and_deterministic():
 
 
 def test_gloo_async_allreduce_gives_the_same_sums():
-    out = launch(gloo_overlap_worker, 2, 2 ** 14, 64, 5, 1, timeout=60)
-    assert all(r["ok"] for r in out)
-    assert all(r["overlapped"] > 0 and len(r["spans"]) == 2 for r in out)
+    # each rank raises if any all-reduce, overlapped or not, gives a different sum
+    out = launch(gloo_overlap_worker, 2, 2 ** 14, 64, 5, 2, timeout=60)
+    for rank, r in enumerate(out):
+        assert r.overlapped > 0 and r.compute > 0
+        over = r.timelines["overlapped"]
+        assert over.lanes == [f"rank {rank} compute", f"rank {rank} gloo"]
+        assert over.overlap(f"rank {rank} compute", f"rank {rank} gloo") > 0
+    # the timelines of both ranks come from the same round: their all-reduces share time
+    a, b = (r.timelines["overlapped"] for r in out)
+    spans = [s for s in a.spans + b.spans if s.label == "all-reduce in flight"]
+    assert max(s.start for s in spans) < min(s.end for s in spans)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")

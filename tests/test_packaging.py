@@ -84,4 +84,4 @@ def test_launch_benchmark_prints_its_ratio():
     out = subprocess.run([sys.executable, "-m", "d2lpar", "bench", "launch", "--ranks", "2",
                           "--repeats", "1"], capture_output=True, text=True, timeout=240,
                          check=True).stdout
-    assert re.search(r"ratio d2lpar.launch / mp.spawn for N = 2: \d+\.\d+$", out.strip())
+    assert re.search(r"ratio d2lpar.processes.launch / mp.spawn for N = 2: \d+\.\d+$", out.strip())

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from d2lpar import param_server as PS
-from d2lpar.launch import launch
+from d2lpar.comm import param_server as PS
+from d2lpar.processes.launch import launch
 
 
 def _kv_store():

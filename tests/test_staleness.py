@@ -3,10 +3,10 @@ import math
 import pytest
 import torch
 
-from d2lpar.check import check_close
-from d2lpar.models import mlp
-from d2lpar.staleness import (delayed_quadratic, delayed_sgd, make_batches, stability_bound,
-                              sync_sgd)
+from d2lpar.infra.check import check_close
+from d2lpar.infra.models import mlp
+from d2lpar.cost.staleness import (delayed_quadratic, delayed_sgd, make_batches, stability_bound,
+                                   sync_sgd)
 
 
 def _data(n=96, seed=0):

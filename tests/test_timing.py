@@ -3,7 +3,7 @@ import time
 import matplotlib
 import pytest
 
-from d2lpar.timing import Benchmark, Span, Timeline, Timer
+from d2lpar.infra.timing import Benchmark, Span, Timeline, Timer
 
 matplotlib.use("Agg")
 
@@ -30,7 +30,7 @@ def test_timeline_accounting():
 
 
 def test_plot_timeline():
-    from d2lpar.plot import plot_timeline
+    from d2lpar.infra.plot import plot_timeline
     ax = plot_timeline(Timeline([("rank 0", "compute", 0, 1), ("rank 1", "send", 0.5, 2)]))
     assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1"]
     with pytest.raises(ValueError, match="no spans"):

@@ -3,8 +3,8 @@ import time
 import pytest
 import torch
 
-from d2lpar.timing import Timeline
-from d2lpar.workers import DeviceQueue, cores, torch_threads
+from d2lpar.infra.timing import Timeline
+from d2lpar.infra.workers import DeviceQueue, cores, torch_threads
 
 
 def test_submit_returns_at_once_and_synchronize_waits():

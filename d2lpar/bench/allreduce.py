@@ -3,14 +3,14 @@
 For each world size N and message size S (float32, summed in place) it prints the time per call, the
 algorithm bandwidth algbw = S / time and the bus bandwidth busbw = algbw * 2(N-1)/N (what each link
 carried, comparable across N; nccl-tests' definition), for ``dist.all_reduce`` (gloo here, NCCL on
-GPUs), ``d2lpar.collectives.ring_all_reduce`` and ``d2lpar.param_server.ps_all_reduce`` (one
+GPUs), ``d2lpar.comm.collectives.ring_all_reduce`` and ``d2lpar.comm.param_server.ps_all_reduce`` (one
 server). Methods are timed in interleaved rounds, in rotating order, so that a slow moment of the
 machine hits all of them alike, and the fastest round counts (as ``timeit`` advises: other processes
 on a shared machine only ever add time; the time is the slowest rank's). The last line states the
 largest ring / all_reduce time ratio at 16 MB and 64 MB.
 
 Several ranks on a few CPU cores share those cores: the figures show the algorithms' relative costs
-on this machine, not what a GPU cluster would do (see ``d2lpar.costmodel`` for that).
+on this machine, not what a GPU cluster would do (see ``d2lpar.cost.costmodel`` for that).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from d2lpar.collectives import ring_all_reduce
-from d2lpar.param_server import ps_all_reduce
-from d2lpar.launch import launch
+from d2lpar.comm.collectives import ring_all_reduce
+from d2lpar.comm.param_server import ps_all_reduce
+from d2lpar.processes.launch import launch
 
 METHODS = ("all_reduce", "ring", "ps")
 

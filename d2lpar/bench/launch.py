@@ -1,4 +1,4 @@
-"""Start-up cost of N ranks: d2lpar.launch (warm forkserver) against torch.multiprocessing.spawn.
+"""Start-up cost of N ranks: d2lpar.processes.launch (warm forkserver) against torch.multiprocessing.spawn.
 
 Each run starts N ranks, joins a gloo group, does one all-reduce, and returns. The last line states
 the ratio d2lpar / mp.spawn for N = 4.
@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-from d2lpar.commands import free_port
-from d2lpar.launch import launch
+from d2lpar.processes.commands import free_port
+from d2lpar.processes.launch import launch
 
 
 def _allreduce() -> float:
@@ -62,13 +62,13 @@ def main(argv=None) -> int:
     sizes = [int(n) for n in args.ranks.split(",")]
     t0 = time.perf_counter()
     launch(_allreduce, 2)  # the first call starts the forkserver and imports torch there
-    print(f"first d2lpar.launch (starts the forkserver): {time.perf_counter() - t0:.3f} s")
-    print(f"{'ranks':>5}  {'d2lpar.launch':>14}  {'mp.spawn':>9}  {'ratio':>6}")
+    print(f"first d2lpar.processes.launch (starts the forkserver): {time.perf_counter() - t0:.3f} s")
+    print(f"{'ranks':>5}  {'d2lpar.processes.launch':>14}  {'mp.spawn':>9}  {'ratio':>6}")
     ratios = {}
     for n in sizes:
         ours, theirs = time_launch(n, args.repeats), time_spawn(n, args.spawn_repeats)
         ratios[n] = ours / theirs
         print(f"{n:>5}  {ours:>12.3f} s  {theirs:>7.3f} s  {ratios[n]:>6.3f}")
     key = 4 if 4 in ratios else sizes[-1]
-    print(f"ratio d2lpar.launch / mp.spawn for N = {key}: {ratios[key]:.3f}")
+    print(f"ratio d2lpar.processes.launch / mp.spawn for N = {key}: {ratios[key]:.3f}")
     return 0

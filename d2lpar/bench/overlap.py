@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from d2lpar.overlap import cpu_overlap, cuda_overlap
+from d2lpar.comm.overlap import cpu_overlap, cuda_overlap
 
 
 def main(argv=None) -> int:

@@ -10,13 +10,13 @@
     srun --ntasks=16 --ntasks-per-node=8 python d2lpar/examples/train_ddp.py           # SLURM
 
 What makes it work everywhere (each step is a comment below):
-1. ``d2lpar.env.detect()`` reads rank, world size and local rank from torchrun, the legacy launcher
+1. ``d2lpar.processes.env.detect()`` reads rank, world size and local rank from torchrun, the legacy launcher
    (``--local-rank``) or SLURM, and says one plain process when there is no launcher.
 2. One GPU per process (``cuda:<local rank>``, NCCL) when there are enough GPUs, else CPU and gloo.
 3. ``--batch-size`` is the *global* batch: each of W ranks takes B/W examples per step, and since
    DDP averages gradients over ranks, a step equals one step on the whole batch in one process.
 4. ``DistributedSampler`` with ``set_epoch(epoch)``: a new shuffle every epoch, the same on all ranks.
-5. Rank 0 writes an atomic checkpoint after each epoch (``d2lpar.checkpoint.save``); every rank
+5. Rank 0 writes an atomic checkpoint after each epoch (``d2lpar.processes.checkpoint.save``); every rank
    resumes from it on start, so ``torchrun --max-restarts`` continues a job whose process died.
    The checkpoint folder must be visible to all nodes (a shared file system).
 """
@@ -35,9 +35,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from d2lpar import checkpoint, env
-from d2lpar.data import load_digits
-from d2lpar.models import lenet
+from d2lpar.processes import checkpoint, env
+from d2lpar.infra.data import load_digits
+from d2lpar.infra.models import lenet
 
 
 def parse_args(argv=None) -> argparse.Namespace:

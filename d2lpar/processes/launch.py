@@ -39,7 +39,7 @@ from typing import Any, Callable
 import cloudpickle
 import torch
 
-from .commands import free_port
+from d2lpar.processes.commands import free_port
 
 __all__ = ["launch", "choose_backend", "LaunchError", "RankFailed", "LaunchTimeout"]
 
@@ -155,7 +155,7 @@ def _forkserver():
     if _context is None:
         if "forkserver" in mp.get_all_start_methods():
             _context = mp.get_context("forkserver")
-            _context.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", "d2lpar.launch"])
+            _context.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", "d2lpar.processes.launch"])
         else:  # Windows and others: slower, but correct
             _context = mp.get_context("spawn")
     return _context

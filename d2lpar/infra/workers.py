@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .timing import Timeline
+from d2lpar.infra.timing import Timeline
 
 __all__ = ["torch_threads", "DeviceQueue", "cores"]
 

@@ -30,7 +30,7 @@ from typing import Callable, Mapping, Sequence
 __all__ = ["CommandFailed", "Running", "free_port", "is_alive", "launcher_free_env", "leftovers", "pretty", "run",
            "start", "REPO"]
 
-REPO = Path(__file__).resolve().parents[1]  # the folder that holds the d2lpar package
+REPO = Path(__file__).resolve().parents[2]  # the folder that holds the d2lpar package
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                  "MASTER_ADDR", "MASTER_PORT")
 TAG = "D2LPAR_RUN_TAG"

@@ -162,7 +162,7 @@ def _pingpong(sizes, repeats):
 
 def measure_pingpong(sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20), repeats: int = 5):
     """One-way message times between two ranks here (best of ``repeats`` round trips / 2)."""
-    from d2lpar.launch import launch
+    from d2lpar.processes.launch import launch
     return list(sizes), launch(_pingpong, 2, list(sizes), repeats, timeout=120)[0]
 
 

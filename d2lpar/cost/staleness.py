@@ -96,10 +96,10 @@ def sync_sgd(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tenso
              workers: int) -> nn.Module:
     """Synchronous data parallelism: each batch is split over ``workers``, gradients averaged.
 
-    Shards are cut with ``d2lpar.data.split_sizes`` and weighted by their size, so the average is
+    Shards are cut with ``d2lpar.infra.data.split_sizes`` and weighted by their size, so the average is
     the gradient of the whole batch even when the batch does not divide evenly.
     """
-    from .data import split_sizes
+    from d2lpar.infra.data import split_sizes
     trained, worker = copy.deepcopy(model), copy.deepcopy(model)
     w = parameters_to_vector(trained.parameters()).detach().clone()
     for X, y in batches:

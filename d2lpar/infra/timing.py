@@ -6,7 +6,7 @@ wait for the queue to drain measures the queueing, not the work. ``Timer`` and `
 
 A ``Timeline`` records spans ``(lane, label, start, end)``: one lane per device or rank. Spans use
 ``time.perf_counter()``, which on Linux and macOS reads the same monotonic clock in every process of
-a machine, so spans recorded by different ranks can be put on one chart (``d2lpar.plot``).
+a machine, so spans recorded by different ranks can be put on one chart (``d2lpar.infra.plot``).
 """
 
 from __future__ import annotations

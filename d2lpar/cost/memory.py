@@ -10,8 +10,8 @@ once), so a batch of B samples keeps
 
     A = 4 B (d_0 + d_1 + ... + d_{L-1}) bytes.
 
-``saved_activation_bytes`` measures A for any model by hooking autograd's saved tensors; the notebook
-checks it against the formula. ``footprints`` then splits a step over n devices:
+``d2lpar.infra.activations.saved_activation_bytes`` measures A for any model by hooking autograd's
+saved tensors; the notebook checks it against the formula. ``footprints`` then splits a step over n devices:
 
 * data: every device holds the whole model and B/n samples; per step each device sends
   2 (n-1)/n * 4P bytes (a ring all-reduce of the gradients);
@@ -32,32 +32,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["saved_activation_bytes", "mlp_activation_bytes", "Footprint", "footprints",
+from d2lpar.comm.collectives import ring_rank_formula
+from d2lpar.infra.data import split_sizes
+
+__all__ = ["mlp_activation_bytes", "Footprint", "footprints",
            "partition_layers", "STRATEGIES"]
 
 BYTES = 4  # fp32
 STRATEGIES = ("single", "data", "model", "pipeline-gpipe", "pipeline-1f1b", "channel", "data+model")
 OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2}
-
-
-def saved_activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
-    """Bytes autograd keeps for the backward pass of ``model(x)`` (parameters not counted).
-
-    A tensor saved by two operations counts once; a slice counts its own elements.
-    """
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        # Key by the address of the first element: the same tensor saved twice counts once, and a
-        # slice of a bigger tensor counts its own elements, not the whole storage.
-        if t.untyped_storage().data_ptr() not in params:
-            saved[t.data_ptr()] = max(saved.get(t.data_ptr(), 0), t.numel() * t.element_size())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x).sum()  # sum saves nothing: its backward only needs the shape
-    return sum(saved.values())
 
 
 def mlp_activation_bytes(sizes: tuple[int, ...], batch: int) -> int:
@@ -112,11 +95,6 @@ class Footprint:
         return self.params + self.grads + self.optimizer + self.activations
 
 
-def _ring(n: int, nbytes: float) -> float:
-    """Bytes each device sends in a ring all-reduce of ``nbytes``: 2 (n-1)/n of it."""
-    return 2 * (n - 1) / n * nbytes
-
-
 def footprints(sizes: tuple[int, ...], batch: int, n: int, strategy: str,
                optimizer: str = "adam", micro_batches: int = 4, replicas: int = 2) -> list[Footprint]:
     """Per-device memory and bytes sent for an MLP ``sizes`` trained with ``strategy`` on n devices."""
@@ -135,15 +113,14 @@ def footprints(sizes: tuple[int, ...], batch: int, n: int, strategy: str,
     if strategy == "single" or n == 1:
         return [fp(0, P, batch * sum(acts), 0)]
     if strategy == "data":
-        from .data import split_sizes
-        return [fp(i, P, b * sum(acts), _ring(n, BYTES * P))
+        return [fp(i, P, b * sum(acts), ring_rank_formula(BYTES * P, n))
                 for i, b in enumerate(split_sizes(batch, n))]
     if strategy == "channel":
         out = []
         for i in range(n):
             p = sum((a * b + b) // n + (i < (a * b + b) % n) for a, b in zip(sizes[:-1], sizes[1:]))
             gather = sum((n - 1) / n * BYTES * batch * d for d in sizes[1:-1])
-            reduce_grads = sum(_ring(n, BYTES * batch * d) for d in sizes[1:-1])
+            reduce_grads = sum(ring_rank_formula(BYTES * batch * d, n) for d in sizes[1:-1])
             out.append(fp(i, p, batch * sum(acts), gather + reduce_grads))
         return out
     d = replicas if strategy == "data+model" else 1
@@ -151,7 +128,6 @@ def footprints(sizes: tuple[int, ...], batch: int, n: int, strategy: str,
         raise ValueError(f"data+model needs n divisible by replicas ({n} devices, {replicas} replicas)")
     k = n // d
     groups = partition_layers(sizes, k)
-    from .data import split_sizes
     out = []
     for r, b in enumerate(split_sizes(batch, d)):
         for g, layers in enumerate(groups):
@@ -162,6 +138,6 @@ def footprints(sizes: tuple[int, ...], batch: int, n: int, strategy: str,
             sent = (BYTES * b * sizes[layers[-1] + 1] if g < k - 1 else 0) + \
                    (BYTES * b * sizes[layers[0]] if g > 0 else 0)
             if d > 1:
-                sent += _ring(d, BYTES * p)
+                sent += ring_rank_formula(BYTES * p, d)
             out.append(fp(r * k + g, p, act, sent))
     return out

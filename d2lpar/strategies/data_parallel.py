@@ -31,35 +31,15 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from .data import split_sizes
+from d2lpar.infra.data import split_batch, split_sizes
 
-__all__ = ["replicate", "scatter", "parallel_apply", "gather", "allreduce_grads", "balanced_sizes",
+__all__ = ["replicate", "gather", "allreduce_grads", "balanced_sizes",
            "micro_batch_sizes", "DataParallelSGD", "evaluate"]
 
 
 def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
     """One independent copy of ``module`` per device (same parameters, separate storage)."""
     return [copy.deepcopy(module).to(d) for d in devices]
-
-
-def scatter(X: torch.Tensor, y: torch.Tensor | None, devices: Sequence[torch.device],
-            sizes: Sequence[int] | None = None, weights: Sequence[float] | None = None):
-    """Cut X (and y) into parts of ``sizes`` (default: even, or by ``weights``), one per device."""
-    if sizes is None:
-        sizes = split_sizes(len(X), len(devices), weights=weights)
-    sizes = list(sizes)
-    if len(sizes) != len(devices) or sum(sizes) != len(X) or min(sizes) < 0:
-        raise ValueError(f"sizes {sizes} must be one non-negative size per device ({len(devices)}) "
-                         f"adding up to the batch ({len(X)})")
-    xs = [p.to(d) for p, d in zip(torch.split(X, sizes), devices)]
-    ys = None if y is None else [p.to(d) for p, d in zip(torch.split(y, sizes), devices)]
-    return xs, ys
-
-
-def parallel_apply(replicas: Sequence[nn.Module], inputs: Sequence[torch.Tensor]) -> list:
-    """Run each replica on its input. On GPUs the kernels queue asynchronously, so the devices work
-    at the same time even from this loop; simulated devices take their turns on the CPU."""
-    return [m(x) if x.shape[0] else None for m, x in zip(replicas, inputs)]
 
 
 def gather(outputs: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
@@ -149,7 +129,7 @@ class DataParallelSGD:
             opt.zero_grad(set_to_none=True)
         for Xm, ym in zip(torch.split(X, micro_batch_sizes(B, self.accumulation)),
                           torch.split(y, micro_batch_sizes(B, self.accumulation))):
-            xs, ys = scatter(Xm, ym, self.devices, self.sizes(len(Xm)))
+            xs, ys = split_batch(Xm, ym, self.devices, sizes=self.sizes(len(Xm)))
             for net, xi, yi in zip(self.replicas, xs, ys):
                 if len(xi):
                     l_i = self.loss(net(xi), yi) / B  # divided by the GLOBAL batch size

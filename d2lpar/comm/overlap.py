@@ -9,12 +9,15 @@ depend on each other they can run at the same time, and
 t_compute = t_transfer, 2 means none. Each experiment checks that the overlapped run computes and
 delivers exactly what the sequential one does: overlap may change *when*, never *what*.
 
+``measure`` is the one harness every experiment uses: four cases (compute alone, transfer alone,
+one after the other, overlapped), timed in interleaved rounds, best of each kept.
+
 Three ways to get it:
 
 * ``cpu_overlap``: on the CPU, the "transfer" is a copy of a large buffer (the gradient bucket a
   rank would send) done by a copy thread with one torch thread, while the main thread computes with
   one torch thread; each gets a core of its own.
-* ``gloo_overlap_worker`` (run it with ``d2lpar.launch``): an asynchronous gloo all-reduce
+* ``gloo_overlap_worker`` (run it with ``d2lpar.processes.launch``): an asynchronous gloo all-reduce
   (``async_op=True`` returns a handle at once; gloo works in its own thread) while the rank computes.
 * ``cuda_overlap``: the compute stream produces ``y[i]`` while a second stream copies ``y[i-1]`` to
   pinned host memory with ``non_blocking=True``; an event orders each copy after its producer, and
@@ -26,13 +29,14 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
-from .timing import Timeline
-from .workers import torch_threads
+from d2lpar.infra.timing import Timeline
+from d2lpar.infra.workers import torch_threads
 
-__all__ = ["OverlapResult", "matmul_loop", "cpu_overlap", "gloo_overlap_worker", "cuda_overlap",
+__all__ = ["OverlapResult", "matmul_loop", "measure", "cpu_overlap", "gloo_overlap_worker", "cuda_overlap",
            "unsynchronized_readback"]
 
 
@@ -79,8 +83,38 @@ def _copy_chunks(dst: torch.Tensor, src: torch.Tensor, times: int) -> None:
         dst.copy_(src)
 
 
-def _best(times: list[float]) -> float:
-    return min(times)  # the least disturbed run, as timeit reports
+Run = Callable[[Timeline], None]  # one run of one case; it may record its spans in the timeline
+
+
+def measure(name: str, compute: Run, transfer: Run, sequential: Run, overlapped: Run,
+            repeats: int, before: Callable[[], None] = lambda: None,
+            check: Callable[[], None] = lambda: None) -> OverlapResult:
+    """The one harness: time the four cases in interleaved rounds and keep the best of each.
+
+    ``before`` runs ahead of every timed run (a barrier, a ``cuda.synchronize``) and again before the
+    clock stops, so queued device work is counted; ``check`` runs after each overlapped run and
+    raises if it computed or delivered anything different. The timelines kept are those of the last
+    round, the same round on every rank, so spans drawn from several ranks belong together.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}: time each case at least once")
+    cases = {"compute": compute, "transfer": transfer, "sequential": sequential, "overlapped": overlapped}
+    best = {k: float("inf") for k in cases}
+    timelines: dict[str, Timeline] = {}
+    for _ in range(repeats):
+        for key, run in cases.items():
+            timeline = Timeline()
+            before()
+            t0 = time.perf_counter()
+            run(timeline)
+            before()
+            best[key] = min(best[key], time.perf_counter() - t0)
+            if key == "overlapped":
+                check()
+            if key in ("sequential", "overlapped"):
+                timelines[key] = timeline
+    return OverlapResult(name, best["compute"], best["transfer"], best["sequential"],
+                         best["overlapped"], timelines)
 
 
 def cpu_overlap(target_s: float = 0.05, size: int = 256, copy_mb: float = 32.0, repeats: int = 5,
@@ -104,74 +138,79 @@ def cpu_overlap(target_s: float = 0.05, size: int = 256, copy_mb: float = 32.0, 
         if copies is None:
             t0 = time.perf_counter(); _copy_chunks(dst, src, 2)
             copies = max(1, round(target_s / ((time.perf_counter() - t0) / 2)))
-        expected = matmul_loop(x, compute_steps)
-        times: dict[str, list[float]] = {k: [] for k in ("c", "t", "s", "o")}
-        timelines: dict[str, Timeline] = {}
-        for _ in range(repeats):
-            t0 = time.perf_counter(); matmul_loop(x, compute_steps)
-            t1 = time.perf_counter(); _copy_chunks(dst, src, copies)
-            t2 = time.perf_counter()
-            times["c"].append(t1 - t0); times["t"].append(t2 - t1)
-            seq = Timeline()
-            t0 = time.perf_counter(); y = matmul_loop(x, compute_steps)
-            t1 = time.perf_counter(); _copy_chunks(dst, src, copies)
-            t2 = time.perf_counter()
-            seq.add("main thread", "compute", t0, t1); seq.add("main thread", "copy", t1, t2)
-            times["s"].append(t2 - t0)
-            if t2 - t0 <= _best(times["s"]):
-                timelines["compute then copy"] = seq
+        expected, out = matmul_loop(x, compute_steps), {}
+
+        def compute(tl: Timeline) -> None:
+            with tl.span("main thread", "compute"):
+                out["y"] = matmul_loop(x, compute_steps)
+
+        def copy(tl: Timeline, lane: str = "main thread") -> None:
+            with tl.span(lane, "copy"):
+                _copy_chunks(dst, src, copies)
+
+        def sequential(tl: Timeline) -> None:
+            compute(tl); copy(tl)
+
+        def overlapped(tl: Timeline) -> None:
             dst.zero_()
-            over, marks = Timeline(), {}
-            def copier():
-                marks["a"] = time.perf_counter(); _copy_chunks(dst, src, copies)
-                marks["b"] = time.perf_counter()
-            t0 = time.perf_counter()
-            th = threading.Thread(target=copier, name="copy-thread")
-            th.start(); y = matmul_loop(x, compute_steps); t1 = time.perf_counter(); th.join()
-            t2 = time.perf_counter()
-            over.add("main thread", "compute", t0, t1)
-            over.add("copy thread", "copy", marks["a"], marks["b"])
-            times["o"].append(t2 - t0)
-            if not (torch.equal(y, expected) and torch.equal(dst, src)):
+            th = threading.Thread(target=copy, args=(tl, "copy thread"), name="copy-thread")
+            th.start(); compute(tl); th.join()
+
+        def check() -> None:
+            if not (torch.equal(out["y"], expected) and torch.equal(dst, src)):
                 raise AssertionError("overlapped run computed or copied something different")
-            if t2 - t0 <= _best(times["o"]):
-                timelines["compute while copying"] = over
-    return OverlapResult(f"CPU: {compute_steps} matmuls {size}x{size} | copy thread, "
-                         f"{copies} x {copy_mb:g} MB", _best(times["c"]), _best(times["t"]),
-                         _best(times["s"]), _best(times["o"]), timelines)
+
+        result = measure(f"CPU: {compute_steps} matmuls {size}x{size} | copy thread, "
+                         f"{copies} x {copy_mb:g} MB", compute, copy, sequential, overlapped,
+                         repeats, check=check)
+    result.timelines = {"compute then copy": result.timelines["sequential"],
+                        "compute while copying": result.timelines["overlapped"]}
+    return result
 
 
 def gloo_overlap_worker(numel: int = 2 ** 22, size: int = 256, compute_steps: int = 100,
-                        repeats: int = 3) -> dict:
-    """Run under ``d2lpar.launch``: an async all-reduce of ``numel`` floats beside a compute loop.
+                        repeats: int = 3) -> OverlapResult:
+    """Run under ``d2lpar.processes.launch``: an async all-reduce of ``numel`` floats beside compute.
 
-    Returns this rank's best times (seconds), spans of its best overlapped run, and whether every
-    all-reduce gave the same sum as the sequential one.
+    Returns this rank's ``OverlapResult`` (lanes ``rank r compute`` and ``rank r gloo``); it raises
+    if any all-reduce, overlapped or not, gives a different sum.
     """
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
     x = torch.randn(size, size, generator=torch.Generator().manual_seed(rank)) / size ** 0.5
     grad = torch.full((numel,), float(rank + 1))
     expected = torch.full((numel,), float(world * (world + 1) // 2))
-    ok, times, spans = True, {"c": [], "t": [], "s": [], "o": []}, []
-    for _ in range(repeats):
-        dist.barrier(); t0 = time.perf_counter(); matmul_loop(x, compute_steps)
-        times["c"].append(time.perf_counter() - t0)
-        buf = grad.clone(); dist.barrier(); t0 = time.perf_counter(); dist.all_reduce(buf)
-        times["t"].append(time.perf_counter() - t0); ok &= torch.equal(buf, expected)
-        buf = grad.clone(); dist.barrier(); t0 = time.perf_counter()
-        matmul_loop(x, compute_steps); dist.all_reduce(buf)
-        times["s"].append(time.perf_counter() - t0); ok &= torch.equal(buf, expected)
-        buf = grad.clone(); dist.barrier(); t0 = time.perf_counter()
+    buf = grad.clone()
+    lane_c, lane_g = f"rank {rank} compute", f"rank {rank} gloo"
+
+    def compute(tl: Timeline) -> None:
+        with tl.span(lane_c, "compute"):
+            matmul_loop(x, compute_steps)
+
+    def transfer(tl: Timeline) -> None:
+        buf.copy_(grad)
+        with tl.span(lane_g, "all-reduce"):
+            dist.all_reduce(buf)
+        check()
+
+    def sequential(tl: Timeline) -> None:
+        compute(tl); transfer(tl)
+
+    def overlapped(tl: Timeline) -> None:
+        buf.copy_(grad)
+        t0 = time.perf_counter()
         work = dist.all_reduce(buf, async_op=True)  # returns at once; gloo's thread does the work
-        matmul_loop(x, compute_steps); t1 = time.perf_counter()
-        work.wait(); t2 = time.perf_counter()
-        times["o"].append(t2 - t0); ok &= torch.equal(buf, expected)
-        if t2 - t0 <= min(times["o"]):
-            spans = [(f"rank {rank} compute", "compute", t0, t1),
-                     (f"rank {rank} gloo", "all-reduce in flight", t0, t2)]
-    return {"compute": min(times["c"]), "transfer": min(times["t"]), "sequential": min(times["s"]),
-            "overlapped": min(times["o"]), "spans": spans, "ok": bool(ok)}
+        compute(tl)
+        work.wait()
+        tl.add(lane_g, "all-reduce in flight", t0, time.perf_counter())
+
+    def check() -> None:
+        if not torch.equal(buf, expected):
+            raise AssertionError(f"rank {rank}: the all-reduce gave a different sum")
+
+    return measure(f"rank {rank}: async gloo all-reduce of {numel * 4 / 2 ** 20:g} MB beside "
+                   f"{compute_steps} matmuls", compute, transfer, sequential, overlapped, repeats,
+                   before=dist.barrier, check=check)
 
 
 def cuda_overlap(device: torch.device | str = "cuda", pieces: int = 16, size: int = 2048,
@@ -188,12 +227,9 @@ def cuda_overlap(device: torch.device | str = "cuda", pieces: int = 16, size: in
     x = torch.randn(size, size, device=device) / size ** 0.5
     host = [torch.empty(size, size, pin_memory=True) for _ in range(pieces)]
     copy_stream = torch.cuda.Stream(device)
+    sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
 
-    def timed(fn) -> float:
-        torch.cuda.synchronize(device); t0 = time.perf_counter(); fn()
-        torch.cuda.synchronize(device); return time.perf_counter() - t0
-
-    def compute(reps):
+    def compute_all(reps):
         return [matmul_loop(x, reps) for _ in range(pieces)]
 
     def copy_all(ys):
@@ -201,15 +237,19 @@ def cuda_overlap(device: torch.device | str = "cuda", pieces: int = 16, size: in
             h.copy_(y, non_blocking=True)
 
     if compute_reps is None:
-        ys = compute(1); copy_all(ys)  # warm up
-        per_rep, per_copy = timed(lambda: compute(1)), timed(lambda: copy_all(ys))
+        ys = compute_all(1); copy_all(ys); sync()  # warm up
+        t0 = time.perf_counter(); compute_all(1); sync(); per_rep = time.perf_counter() - t0
+        t0 = time.perf_counter(); copy_all(ys); sync(); per_copy = time.perf_counter() - t0
         compute_reps = max(1, round(per_copy / per_rep))
-    ys = compute(compute_reps)
+    ys = compute_all(compute_reps)
     expected = [y.cpu() for y in ys]
-    timeline = Timeline()
+    events: list = []
 
-    def overlapped():
-        events = []
+    def overlapped(tl: Timeline) -> None:
+        for h in host:
+            h.zero_()
+        start = torch.cuda.Event(enable_timing=True); start.record()
+        marks = []
         for i in range(pieces):
             y = matmul_loop(x, compute_reps)
             done = torch.cuda.Event(enable_timing=True); done.record()
@@ -218,32 +258,27 @@ def cuda_overlap(device: torch.device | str = "cuda", pieces: int = 16, size: in
                 host[i].copy_(y, non_blocking=True)
                 y.record_stream(copy_stream)  # y's memory stays reserved until the copy is done
                 end = torch.cuda.Event(enable_timing=True); end.record()
-            events.append((done, end))
-        return events
+            marks.append((done, end))
+        events[:] = [start, marks]
 
-    times = {k: [] for k in ("c", "t", "s", "o")}
-    for _ in range(repeats):
-        times["c"].append(timed(lambda: compute(compute_reps)))
-        times["t"].append(timed(lambda: copy_all(ys)))
-        times["s"].append(timed(lambda: copy_all(compute(compute_reps))))
-        for h in host:
-            h.zero_()
-        start = torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device); t0 = time.perf_counter(); start.record()
-        events = overlapped(); torch.cuda.synchronize(device)
-        times["o"].append(time.perf_counter() - t0)
+    def check() -> None:
         if not all(torch.equal(h, e) for h, e in zip(host, expected)):
             raise AssertionError("the overlapped copies delivered different numbers")
-    prev_done = prev_end = 0.0
-    for done, end in events:  # spans of the last overlapped run, read from CUDA events
+
+    result = measure(f"CUDA {device}: {pieces} x {compute_reps} matmuls {size}x{size} | "
+                     f"{pieces} pinned copies of {size * size * 4 / 2 ** 20:g} MB",
+                     lambda tl: compute_all(compute_reps), lambda tl: copy_all(ys),
+                     lambda tl: copy_all(compute_all(compute_reps)), overlapped, repeats,
+                     before=sync, check=check)
+    start, marks = events
+    timeline, prev_done, prev_end = Timeline(), 0.0, 0.0
+    for done, end in marks:  # spans of the last overlapped run, read from CUDA events
         d, e = start.elapsed_time(done) / 1e3, start.elapsed_time(end) / 1e3
         timeline.add("compute stream", "compute", prev_done, d)
         timeline.add("copy stream", "copy to host", max(d, prev_end), e)
         prev_done, prev_end = d, e
-    return OverlapResult(f"CUDA {device}: {pieces} x {compute_reps} matmuls {size}x{size} | "
-                         f"{pieces} pinned copies of {size * size * 4 / 2 ** 20:g} MB",
-                         _best(times["c"]), _best(times["t"]), _best(times["s"]),
-                         _best(times["o"]), {"compute while copying": timeline})
+    result.timelines = {"compute while copying": timeline}
+    return result
 
 
 def unsynchronized_readback(device: torch.device | str = "cuda", size: int = 4096) -> dict:

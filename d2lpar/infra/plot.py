@@ -1,6 +1,6 @@
 """Pictures the course draws: timelines (Gantt charts) of spans per device or rank.
 
-``plot_timeline`` takes a ``d2lpar.timing.Timeline`` (or its spans) and draws one row per lane with a
+``plot_timeline`` takes a ``d2lpar.infra.timing.Timeline`` (or its spans) and draws one row per lane with a
 bar per span, coloured by label; times are shown from the earliest start, in milliseconds.
 """
 
@@ -10,7 +10,7 @@ from typing import Iterable
 
 import matplotlib.pyplot as plt
 
-from .timing import Span, Timeline
+from d2lpar.infra.timing import Span, Timeline
 
 __all__ = ["plot_timeline", "label_colors"]
 

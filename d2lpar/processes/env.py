@@ -9,7 +9,7 @@ port). With N nodes of G processes each, the process with local rank l on node n
 
 Launchers hand these over differently, and ``detect()`` reads them all:
 
-* ``torchrun`` (and ``d2lpar.launch``): variables RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+* ``torchrun`` (and ``d2lpar.processes.launch``): variables RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
   GROUP_RANK, MASTER_ADDR, MASTER_PORT; then ``init_method='env://'``.
 * the legacy ``python -m torch.distributed.launch``: the same variables, plus the *argument*
   ``--local-rank=N`` (PyTorch >= 2.0) or ``--local_rank=N`` (older versions) appended to the script's

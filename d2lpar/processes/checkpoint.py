@@ -95,7 +95,7 @@ def load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path} is not a loadable checkpoint ({first}). It may be truncated "
                               "by a crash during a non-atomic save, or hold objects that "
-                              "weights_only=True refuses; save with d2lpar.checkpoint.save") from e
+                              "weights_only=True refuses; save with d2lpar.processes.checkpoint.save") from e
 
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,

@@ -15,7 +15,8 @@ from typing import Hashable
 import torch
 import torch.distributed as dist
 
-from .collectives import ByteCounter, _flat, _wait, chunk_bounds
+from d2lpar.comm.collectives import ByteCounter, _flat, _wait
+from d2lpar.infra.data import chunk_bounds
 
 __all__ = ["ParameterServer", "ps_all_reduce", "ps_bytes", "ps_server_formula"]
 

@@ -33,10 +33,10 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from .checkpoint import unwrap
-from .data import split_sizes
-from .data_parallel import balanced_sizes, gather, scatter
-from .memory import saved_activation_bytes
+from d2lpar.processes.checkpoint import unwrap
+from d2lpar.infra.data import split_batch, split_sizes
+from d2lpar.strategies.data_parallel import balanced_sizes, gather
+from d2lpar.infra.activations import saved_activation_bytes
 
 __all__ = ["SimulatedDataParallel", "BalancedDataParallel", "strip_module_prefix", "unwrap",
            "model_bytes", "memory_per_device", "best_gpu0_bsz", "traffic_per_step"]
@@ -80,7 +80,7 @@ class SimulatedDataParallel(nn.Module):
                  f"{n - 1} other device(s)")
         # 2. scatter
         sizes = _chunk_sizes(len(x), n, self.gpu0_bsz, self.weights)
-        xs, _ = scatter(x, None, self.devices, sizes)
+        xs = split_batch(x, None, self.devices, sizes=sizes)
         t.append(f"scatter        batch {tuple(x.shape)} -> " +
                  ", ".join(f"{d}: {tuple(c.shape)}" for d, c in zip(self.devices, xs)))
         # 3. parallel_apply (threads on GPUs; simulated devices take turns)

@@ -17,7 +17,28 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["split_sizes", "split_batch", "load_digits", "fashion_mnist", "load_data"]
+__all__ = ["even_sizes", "chunk_bounds", "split_sizes", "split_batch", "load_digits", "fashion_mnist", "load_data"]
+
+
+def even_sizes(total: int, n: int) -> list[int]:
+    """The course's one cutting rule: n parts whose sizes differ by at most one, the first ones larger.
+
+    Parts may be empty when ``total < n`` (a ring cuts a short tensor this way); ``split_sizes``
+    refuses that for batches, where every device needs at least one example.
+    """
+    if n < 1:
+        raise ValueError(f"cannot cut {total} elements into {n} parts: use n >= 1")
+    base, extra = divmod(total, n)
+    return [base + (i < extra) for i in range(n)]
+
+
+def chunk_bounds(total: int, n: int) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]`` of the n parts of ``even_sizes(total, n)``."""
+    bounds, start = [], 0
+    for size in even_sizes(total, n):
+        bounds.append((start, start + size))
+        start += size
+    return bounds
 
 
 def split_sizes(batch_size: int, n: int | None = None, *, weights: Sequence[float] | None = None) -> list[int]:
@@ -25,7 +46,10 @@ def split_sizes(batch_size: int, n: int | None = None, *, weights: Sequence[floa
     if weights is None:
         if n is None or n < 1:
             raise ValueError(f"cannot split a batch into {n!r} parts: give n >= 1")
-        weights = [1.0] * n
+        if batch_size < n:
+            raise ValueError(f"a batch of {batch_size} cannot be split over {n} devices (each needs "
+                             f"at least one example): use a batch of at least {n}, or fewer devices")
+        return even_sizes(batch_size, n)
     elif n is not None and n != len(weights):
         raise ValueError(f"n={n} but {len(weights)} weights were given: give one weight per device")
     n = len(weights)
@@ -48,14 +72,20 @@ def split_sizes(batch_size: int, n: int | None = None, *, weights: Sequence[floa
 
 
 def split_batch(X: torch.Tensor, y: torch.Tensor | None, devices: Sequence[torch.device],
-                weights: Sequence[float] | None = None):
-    """Split X (and y) along dimension 0 over the devices; return a list of parts on their devices.
+                weights: Sequence[float] | None = None, sizes: Sequence[int] | None = None):
+    """Cut X (and y) along dimension 0, one part per device, and move each part to its device.
 
+    Parts follow ``sizes`` if given, else ``split_sizes`` (even, or in proportion to ``weights``).
     Returns ``[X_0, X_1, ...]`` when y is None, else ``([X_0, ...], [y_0, ...])``.
     """
     if y is not None and len(X) != len(y):
         raise ValueError(f"X has {len(X)} examples but y has {len(y)}: they must match")
-    sizes = split_sizes(len(X), len(devices), weights=weights)
+    if sizes is None:
+        sizes = split_sizes(len(X), len(devices), weights=weights)
+    sizes = list(sizes)
+    if len(sizes) != len(devices) or sum(sizes) != len(X) or min(sizes) < 0:
+        raise ValueError(f"sizes {sizes} must be one non-negative size per device ({len(devices)}) "
+                         f"adding up to the batch ({len(X)})")
     xs = [part.to(dev) for part, dev in zip(torch.split(X, sizes), devices)]
     if y is None:
         return xs
@@ -65,7 +95,7 @@ def split_batch(X: torch.Tensor, y: torch.Tensor | None, devices: Sequence[torch
 
 # ------------------------------------------------------------------------------------ datasets
 
-_DIGITS = Path(__file__).with_name("datasets") / "digits.csv.gz"
+_DIGITS = Path(__file__).parents[1] / "datasets" / "digits.csv.gz"
 
 
 def load_digits(size: int = 28, train_fraction: float = 0.8, seed: int = 0):

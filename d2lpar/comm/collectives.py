@@ -14,7 +14,7 @@ Two classic ways to sum a tensor of K bytes held by each of N ranks (an *all-red
   all-gather steps the finished chunks travel round once more. Each rank sends and receives
   **2(N-1)K/N bytes**, whatever N: the bandwidth term stays near 2K as N grows.
 
-The parameter server is built in ``d2lpar.param_server``; this module holds the ring and what both
+The parameter server is built in ``d2lpar.comm.param_server``; this module holds the ring and what both
 share (byte counting, chunking). When N does not divide the tensor the chunks differ by one element;
 ``ring_bytes`` gives the exact counts, and the formula holds exactly when N divides it. The ring's
 schedule is data (``ring_schedule``): the same list drives the implementation, the pictures and the
@@ -31,7 +31,9 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["ByteCounter", "chunk_bounds", "RingStep", "ring_schedule", "ring_reduce_scatter",
+from d2lpar.infra.data import chunk_bounds
+
+__all__ = ["ByteCounter", "RingStep", "ring_schedule", "ring_reduce_scatter",
            "ring_all_gather", "ring_all_reduce", "free_workspace", "ring_bytes", "ring_rank_formula",
            "holdings"]
 
@@ -61,19 +63,6 @@ class ByteCounter:
 def _wait(works) -> None:
     for w in works:
         w.wait()
-
-
-def chunk_bounds(numel: int, n: int) -> list[tuple[int, int]]:
-    """``[(start, stop), ...]`` of n chunks whose sizes differ by at most one (first ones larger)."""
-    if n < 1:
-        raise ValueError(f"cannot cut a tensor into {n} chunks: use n >= 1")
-    base, extra = divmod(numel, n)
-    bounds, start = [], 0
-    for i in range(n):
-        stop = start + base + (i < extra)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .timing import Timeline
+from d2lpar.infra.timing import Timeline
 
 __all__ = ["Op", "Graph", "forward_graph", "data_parallel_graph", "independent_parts",
            "list_schedule", "draw_graph"]
@@ -246,7 +246,7 @@ def list_schedule(graph: Graph, devices, speed: float | dict = 1e9, bandwidth: f
 def draw_graph(graph: Graph, where: dict[str, str] | None = None, ax=None, figsize=(8, 3)):
     """Draw the graph left to right by depth, one row and colour per device or link."""
     import matplotlib.pyplot as plt
-    from .plot import label_colors
+    from d2lpar.infra.plot import label_colors
     depth: dict[str, int] = {}
     for op in graph.ops.values():
         depth[op.name] = max((depth[d] + 1 for d in op.deps), default=0)

@@ -1,0 +1,1 @@
+"""Layer 1, infrastructure: devices, data, models, timing, plots, checks, paths, worker threads. No torch.distributed."""

@@ -61,6 +61,10 @@ bench: setup
 	$(PY) -m d2lpar bench launch
 	$(PY) -m d2lpar bench overlap
 	$(PY) -m d2lpar bench allreduce
+	$(PY) -m d2lpar bench ddp
+	$(PY) -m d2lpar bench pipeline
+	$(PY) -m d2lpar bench tp
+	$(PY) -m d2lpar bench zero
 
 clean:
 	rm -rf $(BUILD)

@@ -10,6 +10,10 @@ BENCHMARKS = {
     "launch": "d2lpar.bench.launch",
     "overlap": "d2lpar.bench.overlap",
     "allreduce": "d2lpar.bench.allreduce",
+    "ddp": "d2lpar.bench.ddp",
+    "pipeline": "d2lpar.bench.pipeline",
+    "tp": "d2lpar.bench.tp",
+    "zero": "d2lpar.bench.zero",
 }
 
 

@@ -1,0 +1,54 @@
+"""Every notebook's exercises have worked solutions, and the solutions run.
+
+A notebook's exercises are the numbered items under its "Exercises" heading. Their solutions live
+in ``notebooks/solutions/<notebook stem>.py`` as functions ``exercise_1``, ``exercise_2``, ...; each
+computes its answer, prints it, and asserts what the answer claims, so a solution that stops being
+true fails here. An exercise that needs a GPU says so and its solution runs a CPU variant without one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import runpy
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+SOLUTIONS = NOTEBOOKS / "solutions"
+
+
+def exercise_count(notebook: Path) -> int:
+    """Numbered items in the markdown after the notebook's "Exercises" heading (0 if none)."""
+    cells = json.loads(notebook.read_text())["cells"]
+    text = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    found = re.search(r"^#+\s*Exercises\s*$(.*?)(?=^#+\s|\Z)", text, re.M | re.S)
+    return len(re.findall(r"^\d+\.\s", found.group(1), re.M)) if found else 0
+
+
+def _cases():
+    for nb in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")):
+        for k in range(1, exercise_count(nb) + 1):
+            yield pytest.param(nb.stem, k, id=f"{nb.stem}-{k}")
+
+
+@pytest.mark.parametrize("notebook", sorted(p.stem for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")))
+def test_every_notebook_has_exercises_and_a_solution_for_each(notebook):
+    count = exercise_count(NOTEBOOKS / f"{notebook}.ipynb")
+    assert count >= 1, f"{notebook}: no numbered items under an 'Exercises' heading"
+    path = SOLUTIONS / f"{notebook}.py"
+    assert path.exists(), f"{notebook}: write its solutions in {path.relative_to(NOTEBOOKS.parent)}"
+    names = sorted(n for n in runpy.run_path(str(path)) if re.fullmatch(r"exercise_\d+", n))
+    assert names == sorted(f"exercise_{k}" for k in range(1, count + 1)), \
+        f"{notebook}: {count} exercises in the notebook, solutions define {names}"
+
+
+_loaded: dict[str, dict] = {}
+
+
+@pytest.mark.parametrize("notebook,k", list(_cases()))
+def test_solution_runs_and_holds(notebook, k):
+    if notebook not in _loaded:
+        _loaded[notebook] = runpy.run_path(str(SOLUTIONS / f"{notebook}.py"), run_name="solutions")
+    _loaded[notebook][f"exercise_{k}"]()

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from d2lpar.infra.check import CheckFailed, check, check_close, check_equal
+from d2lpar.infra.check import CheckFailed, check, check_changed, check_close, check_equal
 
 
 def test_check_prints_one_line(capsys):
@@ -37,3 +37,11 @@ def test_check_equal():
     check_equal("lists", [1, 2], [1, 2])
     with pytest.raises(CheckFailed, match="got 3, expected 4"):
         check_equal("ints", 3, 4)
+
+
+def test_check_changed_names_what_did_not_move(capsys):
+    start = {"w": torch.zeros(3), "b": torch.zeros(2)}
+    check_changed("moved", {"w": torch.ones(3), "b": torch.ones(2)}, start)
+    assert capsys.readouterr().out.startswith("OK  moved")
+    with pytest.raises(CheckFailed, match="unchanged: b"):
+        check_changed("moved", {"w": torch.ones(3), "b": torch.zeros(2) + 1e-9}, start)

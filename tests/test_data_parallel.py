@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from d2lpar.strategies import data_parallel as dp
-from d2lpar.infra.check import check_close
+from d2lpar.infra.check import check_changed, check_close
 from d2lpar.infra.devices import get_devices
 from d2lpar.infra.models import lenet, mlp
 
@@ -40,6 +40,7 @@ def test_k_devices_equal_one_device(k, kwargs):
     for X, y in batches:
         trainer.step(X, y)
     assert trainer.in_sync()
+    check_changed("training moved every parameter", trainer.net, lenet(seed=1), rtol=1e-4, atol=1e-5)
     check_close(f"{k} devices {kwargs} == one device", trainer.net, expected, rtol=1e-4, atol=1e-5)
 
 

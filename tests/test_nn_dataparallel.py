@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from d2lpar.strategies import nn_dataparallel as ndp
-from d2lpar.infra.check import check_close
+from d2lpar.infra.check import check_changed, check_close
 from d2lpar.strategies.data_parallel import balanced_sizes
 from d2lpar.infra.devices import get_devices
 from d2lpar.infra.models import lenet
@@ -19,6 +19,8 @@ def test_simulated_dataparallel_matches_the_plain_module_in_value_and_gradient()
     out = wrapped(X)
     nn.functional.cross_entropy(out, y).backward()
     check_close("outputs", out, plain(X))
+    check_changed("gradients are not zero", {k: p.grad for k, p in wrapped_net.named_parameters()},
+                  {k: torch.zeros_like(p) for k, p in wrapped_net.named_parameters()})
     check_close("gradients", {k: p.grad for k, p in wrapped_net.named_parameters()},
                 {k: p.grad for k, p in plain.named_parameters()}, rtol=1e-4, atol=1e-6)
     assert len(wrapped.trace) == 4 and "(2, 1, 28, 28)" in wrapped.trace[1]

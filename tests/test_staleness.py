@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from d2lpar.infra.check import check_close
+from d2lpar.infra.check import check_changed, check_close
 from d2lpar.infra.models import mlp
 from d2lpar.cost.staleness import (delayed_quadratic, delayed_sgd, make_batches, stability_bound,
                                    sync_sgd)
@@ -38,6 +38,7 @@ def test_no_delay_is_plain_sgd():
         opt.zero_grad()
         torch.nn.functional.cross_entropy(ref(xb), yb).backward()
         opt.step()
+    check_changed("12 steps moved every parameter", ref, mlp((16, 8, 3)))
     check_close("delay 0 equals torch.optim.SGD", trained, ref, rtol=1e-5, atol=1e-6)
 
 
@@ -48,6 +49,7 @@ def test_sync_sgd_equals_big_batch_sgd(workers):
     batches = make_batches(X, y, 30, 5)
     par = sync_sgd(model, batches, 0.2, workers)
     _, seq = delayed_sgd(model, batches, 0.2, 0, (X, y))
+    check_changed("5 steps moved every parameter", seq, model)
     check_close(f"sync SGD on {workers} workers equals one-device SGD", par, seq,
                 rtol=1e-5, atol=1e-6)
 

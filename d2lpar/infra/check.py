@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckFailed", "check", "check_close", "check_equal"]
+__all__ = ["CheckFailed", "check", "check_close", "check_changed", "check_equal"]
 
 
 class CheckFailed(AssertionError):
@@ -67,6 +67,20 @@ def check_close(claim: str, actual: Any, expected: Any, rtol: float = 1e-5, atol
     ok = worst <= atol
     detail = f"at {where!r} |actual - expected| exceeds rtol*|expected| by {worst:.3g} > atol={atol:g}"
     check(f"{claim} (rtol={rtol:g}, atol={atol:g})", ok, detail)
+
+
+def check_changed(claim: str, actual: Any, start: Any, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """Check that every tensor moved away from its starting value (beyond the given tolerance).
+
+    Use it before ``check_close``: parallel equal to serial proves nothing if neither changed (a step
+    that never ran, gradients that were all zero). The pair is "differ before, equal after".
+    """
+    a, s = _flatten(actual), _flatten(start)
+    if a.keys() != s.keys():
+        raise CheckFailed(f"structures differ: {sorted(a.keys() ^ s.keys())[:5]}")
+    still = [k for k in s if torch.allclose(a[k].double(), s[k].double(), rtol=rtol, atol=atol)]
+    check(f"{claim} (beyond rtol={rtol:g}, atol={atol:g})", not still,
+          f"unchanged: {', '.join(still[:5])}")
 
 
 def check_equal(claim: str, actual: Any, expected: Any) -> None:

@@ -70,3 +70,21 @@ def test_predict_rows_and_errors():
         cm.allreduce_time("tree", 1e6, 4, PCIE)
     assert cm.measure_reduce_bandwidth(1 << 20, repeats=2) > 1e7
     assert cm.with_devices(PCIE, 8).devices == 8
+
+
+def test_gpu_compute_counts_operators_and_flops_and_scales_with_the_batch():
+    import torch
+    from torch import nn
+
+    from d2lpar.infra.models import lenet
+    net = nn.Linear(100, 10, bias=False)  # one matrix product: 2*B*100*10 forward, the same backward
+    X, y = torch.rand(8, 100), torch.randint(0, 10, (8,))
+    assert net.weight.grad is None
+    flops, ops = cm.training_work(net, X, y)
+    assert flops == 2 * (2 * 8 * 100 * 10) and net.weight.grad is not None  # no input grad needed
+    full, n_full = cm.training_work(lenet(), torch.rand(64, 1, 28, 28), torch.randint(0, 10, (64,)))
+    quarter, n_quarter = cm.training_work(lenet(), torch.rand(16, 1, 28, 28), torch.randint(0, 10, (16,)))
+    assert full == pytest.approx(4 * quarter) and n_full == n_quarter > 20  # operators do not shrink
+    gpu = cm.Gpu("test", rate=1e12, launch=1e-5)
+    assert gpu.time(2e12, 3) == pytest.approx(2 + 3e-5)
+    assert cm.GPUS["V100, FP32"].time(0, 10) == pytest.approx(10 * cm.GPUS["V100, FP32"].launch)

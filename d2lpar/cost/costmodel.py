@@ -26,6 +26,13 @@ neighbour links (an NVLink ring, a chain of PCIe switches), the servers need eve
 machines below use round, published link figures (derated to what collectives reach in practice);
 ``this_machine()`` fits alpha and beta to ping-pong times measured here, so predictions can be set
 beside measurements.
+
+Compute on a described GPU (``Gpu``, ``GPUS``) follows the same pattern: a step of F floating-point
+operations made of n operators costs ``n * launch + F / rate``, where rate is a sustained FLOP/s
+(a fraction of the data-sheet peak) and launch is what every operator costs in eager PyTorch whatever
+its size (dispatch and kernel launch). ``training_work`` counts F and n for a model's forward and
+backward with torch's own counters, so a CPU-only machine can predict a GPU's compute without
+timing its own CPU.
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ import time
 from dataclasses import dataclass, replace
 
 __all__ = ["Link", "Machine", "MACHINES", "STRATEGIES", "allreduce_time", "predict", "with_devices",
-           "fit_link", "measure_pingpong", "measure_reduce_bandwidth", "this_machine"]
+           "fit_link", "measure_pingpong", "measure_reduce_bandwidth", "this_machine", "Gpu", "GPUS",
+           "training_work"]
 
 GB = 1e9
 STRATEGIES = ("one_device", "through_cpu", "sharded", "ring")
@@ -84,6 +92,43 @@ MACHINES = {
     "8 GPUs, NVSwitch": Machine("8 GPUs, NVSwitch", 8, Link(230 * GB, 8e-6), 500 * GB, _pcie(24),
                                 50 * GB, 30 * GB),
 }
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """A described GPU's compute: ``time(flops, ops) = ops * launch + flops / rate`` (seconds)."""
+    name: str
+    rate: float    # sustained FLOP/s on large kernels
+    launch: float  # seconds per operator in eager PyTorch, however small the operator
+
+    def time(self, flops: float, ops: int = 0) -> float:
+        return ops * self.launch + flops / self.rate
+
+
+# Round figures, stated rather than measured: a V100 (the GPU of a 4-GPU PCIe 3.0 box) peaks at
+# 14 TFLOP/s in FP32 and sustains about half on convolutions and matrix products; eager PyTorch spends
+# about 10 us per operator on dispatch and launch, which small kernels cannot hide.
+GPUS = {"V100, FP32": Gpu("V100, FP32", 7e12, 10e-6)}
+
+
+def training_work(model, X, y) -> tuple[float, int]:
+    """(FLOPs, operators) of one forward and backward of ``model`` on (X, y) with the cross-entropy
+    loss, counted by ``torch.utils.flop_counter`` and by the operators dispatched (views, which
+    launch no kernel, not counted). The model's gradients are left as the backward made them."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class _Operators(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    with _Operators() as ops, FlopCounterMode(display=False) as flops:
+        torch.nn.functional.cross_entropy(model(X), y).backward()
+    return float(flops.get_total_flops()), ops.count
 
 
 def allreduce_time(strategy: str, nbytes: float, n: int, machine: Machine) -> float | None:

@@ -118,3 +118,27 @@ def test_helpers_and_errors():
     text = C.holdings("all_reduce", [torch.tensor([1.0]), torch.tensor([2.0])],
                       [torch.tensor([3.0])] * 2)
     assert "rank 1  [2]" in text and "-> [3]" in text
+
+
+def _all_to_all(numel):
+    rank = dist.get_rank()
+    x, counter = _data(rank, numel), C.ByteCounter()
+    out = C.all_to_all(torch.zeros(numel), x, counter)
+    lib = torch.zeros(numel)
+    dist.all_to_all_single(lib, x)
+    return out, lib, counter.as_dict()
+
+
+def test_all_to_all_is_the_transpose_computed_here():
+    n, numel = 3, 12
+    results = launch(_all_to_all, n, numel, timeout=60)
+    chunks = [_data(r, numel).chunk(n) for r in range(n)]  # chunks[r][j]: rank r's chunk for rank j
+    for rank, (out, lib, count) in enumerate(results):
+        expected = torch.cat([chunks[j][rank] for j in range(n)])
+        assert not torch.equal(_data(rank, numel), expected)  # differ before ...
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)  # ... equal after
+        torch.testing.assert_close(lib, expected, rtol=0, atol=0)
+        exact = C.all_to_all_bytes(numel, n)[rank]
+        assert (count["sent"], count["received"]) == (exact["sent"], exact["received"]) == (32, 32)
+    with pytest.raises(ValueError, match="equal chunks"):
+        C.all_to_all_bytes(10, 3)

@@ -21,6 +21,11 @@ schedule is data (``ring_schedule``): the same list drives the implementation, t
 byte counts. Messages are ``isend``/``irecv`` posted together (no send/recv ordering can deadlock),
 chunks are views into the caller's tensor (no copies), the all-gather receives straight into place,
 and each chunk travels in segments that are forwarded as soon as they arrive (a pipeline).
+
+**All-to-all** is the transpose of the rank x chunk table: rank r cuts its tensor into N chunks and
+sends chunk j to rank j, receiving chunk r of every other rank. Nothing is added; each rank sends and
+receives **(N-1)K/N bytes**. Expert parallelism (mixture of experts) runs two per layer: tokens go to
+the rank that holds their expert, and the expert's outputs come back.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from d2lpar.infra.data import chunk_bounds
 
 __all__ = ["ByteCounter", "RingStep", "ring_schedule", "ring_reduce_scatter",
            "ring_all_gather", "ring_all_reduce", "free_workspace", "ring_bytes", "ring_rank_formula",
-           "holdings"]
+           "all_to_all", "all_to_all_bytes", "holdings"]
 
 
 # ---------------------------------------------------------------------------------- byte counting
@@ -202,6 +207,39 @@ def ring_all_reduce(tensor: torch.Tensor, counter: ByteCounter | None = None,
         segments = max(1, min(8, chunk_bytes >> 22))
     _ring(_flat(tensor), ("reduce-scatter", "all-gather"), counter, segments)
     return tensor
+
+
+# ------------------------------------------------------------------------------------ all-to-all
+
+def all_to_all(output: torch.Tensor, tensor: torch.Tensor,
+               counter: ByteCounter | None = None) -> torch.Tensor:
+    """Chunk j of this rank's ``tensor`` goes to rank j; chunk r of rank j's lands in ``output`` chunk j.
+
+    The same result as ``dist.all_to_all_single(output, tensor)``, from N-1 ``isend``/``irecv``
+    pairs posted at once (own chunk copied locally). The tensor must split into N equal chunks.
+    """
+    rank, n = dist.get_rank(), dist.get_world_size()
+    src, dst = _flat(tensor), _flat(output)
+    if src.numel() % n or dst.numel() != src.numel():
+        raise ValueError(f"all_to_all cuts the tensor into {n} equal chunks: got {src.numel()} "
+                         f"elements in and {dst.numel()} out; pad both to a multiple of {n}, same size")
+    counter = counter or ByteCounter()
+    ins, outs = src.chunk(n), dst.chunk(n)
+    outs[rank].copy_(ins[rank])
+    works = []
+    for k in range(1, n):  # step k: send to rank+k, receive from rank-k (every pair once)
+        to, frm = (rank + k) % n, (rank - k) % n
+        works += [counter.isend(ins[to], to), counter.irecv(outs[frm], frm)]
+    _wait(works)
+    return output
+
+
+def all_to_all_bytes(numel: int, n: int, element_size: int = 4) -> list[dict[str, int]]:
+    """Bytes each rank sends and receives in ``all_to_all``: (N-1)K/N each way, K = numel * size."""
+    if numel % n:
+        raise ValueError(f"numel={numel} does not split into {n} equal chunks")
+    each = (n - 1) * (numel // n) * element_size
+    return [{"sent": each, "received": each} for _ in range(n)]
 
 
 # ------------------------------------------------------------------------------- bytes, formulas

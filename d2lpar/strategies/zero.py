@@ -1,0 +1,339 @@
+"""ZeRO: data parallelism without the redundancy, stages 1, 2 and 3, built from a ring's two halves.
+
+Data parallelism keeps on each of N ranks a full copy of the *model states* of Psi parameters:
+parameters, gradients and optimizer state. With fp32 and Adam(W) that is p + g + k = 4 + 4 + 8 = 16
+bytes per parameter (the ZeRO paper trains in mixed precision: 2 + 2 + 12). ZeRO (Rajbhandari et al.,
+2020) cuts each of these flat buffers into N equal shards and lets rank r keep only its own:
+
+    stage                 holds per rank (bytes)         sends per rank per step
+    DP                    (p + g + k) Psi                 2 (N-1)/N p Psi   (ring all-reduce)
+    1: optimizer state    (p + g) Psi + k Psi / N         2 (N-1)/N p Psi   (reduce-scatter, all-gather)
+    2: + gradients        p Psi + (g + k) Psi / N         2 (N-1)/N p Psi
+    3: + parameters       (p + g + k) Psi / N             3 (N-1)/N p Psi   (all-gather in forward, again
+                                                                             in backward, reduce-scatter)
+
+A ring all-reduce is a reduce-scatter followed by an all-gather (notebook 04). Stage 1 puts the
+optimizer step between the two halves: reduce-scatter the gradients, so rank r holds the summed
+gradient of its shard only; update only that shard with AdamW, whose state exists only for it;
+all-gather the updated parameters. Same bytes as data parallelism, 1/N of the optimizer state.
+Stage 2 also drops the full gradients: each unit's (a layer's) gradient is reduce-scattered as soon
+as backward has produced it, and only the shard is kept. Stage 3 also shards the parameters: before
+a unit's forward, and again before its backward, its parameters are all-gathered into the unit's
+flat buffer, and afterwards the buffer's storage is resized to 0. Views of it, including those
+autograd saved, stay valid and see the data again after the next gather (the trick FSDP uses), so
+at most one unit is gathered at a time (two with ``prefetch``), at the price of a third collective.
+
+Layout: a unit's trainable parameters are flattened into one buffer padded to N S elements,
+S = ceil(Psi_unit / N), so that every shard has S elements whatever Psi and N (3 ranks too); the
+padding stays zero through AdamW. The course's ring leaves rank r with chunk (r+1) mod N after a
+reduce-scatter, so that is the shard rank r owns. The formulas take the padded Psi; they equal the
+unpadded ones when N divides every unit. Frozen parameters are not sharded (every rank keeps them).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from d2lpar.comm.collectives import ByteCounter, ring_all_gather, ring_reduce_scatter
+
+__all__ = ["STAGES", "shard_size", "padded_numel", "model_state_bytes", "sent_bytes", "ZeroAdamW"]
+
+STAGES = (1, 2, 3)
+
+
+def shard_size(numel: int, n: int) -> int:
+    """Elements per shard when ``numel`` elements are cut into n equal, padded shards: ceil(numel/n)."""
+    return -(-numel // n)
+
+
+def padded_numel(unit_numels, n: int) -> int:
+    """Psi as ZeRO stores it: every unit padded to a multiple of n."""
+    return sum(n * shard_size(u, n) for u in unit_numels)
+
+
+def model_state_bytes(stage: int, numel: float, n: int, param_bytes: float = 4,
+                      grad_bytes: float = 4, optimizer_bytes: float = 8) -> dict[str, float]:
+    """Bytes one rank holds for parameters, gradients and optimizer state (stage 0: plain DP)."""
+    if stage not in (0,) + STAGES:
+        raise ValueError(f"stage must be 0 (plain data parallelism), 1, 2 or 3, got {stage!r}")
+    return {"params": param_bytes * numel / (n if stage >= 3 else 1),
+            "grads": grad_bytes * numel / (n if stage >= 2 else 1),
+            "optimizer": optimizer_bytes * numel / (n if stage >= 1 else 1)}
+
+
+def sent_bytes(stage: int, numel: float, n: int, param_bytes: float = 4,
+               reshard_after_forward: bool = True) -> float:
+    """Bytes one rank sends per step: 2 (N-1)/N p Psi, or 3 (N-1)/N p Psi for stage 3."""
+    if stage not in (0,) + STAGES:
+        raise ValueError(f"stage must be 0 (plain data parallelism), 1, 2 or 3, got {stage!r}")
+    halves = 3 if stage == 3 and reshard_after_forward else 2
+    return halves * (n - 1) / n * param_bytes * numel
+
+
+class _Unit:
+    """A group of parameters sharded together: one flat padded buffer, one shard of it per rank."""
+
+    def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter], n: int, rank: int,
+                 reshard: bool):
+        self.name, self.module, self.params, self.reshard = name, module, params, reshard
+        self.numel = sum(p.numel() for p in params)
+        self.S = shard_size(self.numel, n)
+        self.padded = n * self.S
+        self.lo = (rank + 1) % n * self.S  # the ring finishes chunk (rank+1) mod N on this rank
+        first = params[0]
+        self.full = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
+        self.views, self.offsets, start = [], [], 0
+        for p in params:
+            self.views.append(self.full[start:start + p.numel()].view_as(p))
+            self.offsets.append(start)
+            start += p.numel()
+        self.gathered, self.ready = True, 0
+
+    def own(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.lo:self.lo + self.S]
+
+    @property
+    def nbytes(self) -> int:
+        return self.padded * self.full.element_size()
+
+
+def _units(module: nn.Module, trainable: list[nn.Parameter]):
+    """Default units: each child that owns trainable parameters; shared and direct ones go to the root."""
+    owners: dict[int, set] = {}
+    children = list(module.named_children())
+    for cname, child in children:
+        for p in child.parameters():
+            owners.setdefault(id(p), set()).add(cname)
+    units, placed = [], set()
+    for cname, child in children:
+        ps = [p for p in child.parameters() if p.requires_grad and owners[id(p)] == {cname}]
+        if ps:
+            units.append((cname, child, ps))
+            placed.update(id(p) for p in ps)
+    rest = [p for p in trainable if id(p) not in placed]
+    return ([("(root)", module, rest)] if rest else []) + units
+
+
+class ZeroAdamW:
+    """AdamW over a model whose states are sharded over the ranks of the current process group.
+
+    ``ZeroAdamW(model, stage)`` then, per step: ``loss.backward()`` on this rank's part of the batch
+    (a mean loss) and ``opt.step()``. The result equals single-process AdamW on the whole batch.
+    ``counter`` counts the bytes this rank sends and receives; ``held()`` measures the bytes it keeps.
+    """
+
+    def __init__(self, model: nn.Module, stage: int, lr: float = 1e-3, betas=(0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, reshard_after_forward: bool = True,
+                 prefetch: bool = False):
+        if stage not in STAGES:
+            raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}: 1 shards the optimizer "
+                             "state, 2 also the gradients, 3 also the parameters")
+        if not dist.is_initialized():
+            raise RuntimeError("ZeroAdamW shards over a process group, and none is initialised: "
+                               "run it on ranks started by d2lpar.processes.launch.launch or torchrun")
+        self.model, self.stage, self.prefetch = model, stage, prefetch
+        self.n, self.rank = dist.get_world_size(), dist.get_rank()
+        self.counter = ByteCounter()
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if not trainable:
+            raise ValueError("the model has no trainable parameters: nothing to shard")
+        if len({(p.dtype, p.device) for p in trainable}) > 1:
+            raise ValueError("ZeroAdamW needs all trainable parameters on one device with one dtype")
+        self._agree_on_parameters()
+        self.units = [_Unit(name, mod, ps, self.n, self.rank, reshard_after_forward and name != "(root)")
+                      for name, mod, ps in _units(model, trainable)]
+        self.live = self.peak_gathered = self.peak_grad = 0
+        for u in self.units:
+            with torch.no_grad():
+                for p, v in zip(u.params, u.views):
+                    v.copy_(p)
+                dist.broadcast(u.full, 0)  # start from rank 0's values, as DDP does
+                for p, v in zip(u.params, u.views):
+                    p.data = v  # parameters become views into the flat buffer
+            if stage < 3:
+                u.shard = nn.Parameter(u.own(u.full))  # a view: updating it updates the buffer
+            else:
+                u.shard = nn.Parameter(u.own(u.full).clone())
+                self._free(u)
+            if stage == 1:
+                u.grad_full = torch.zeros_like(u.full)
+                u.shard.grad = u.own(u.grad_full)
+                self._attach_grad_views(u)
+            else:
+                u.shard.grad = torch.zeros_like(u.shard)
+                for p in u.params:
+                    p.register_post_accumulate_grad_hook(lambda p, u=u: self._grad_ready(u))
+            if stage == 3:
+                u.module.register_forward_pre_hook(lambda m, a, u=u: self._before_forward(u))
+                u.module.register_forward_hook(lambda m, a, out, u=u: self._after_forward(u, out))
+        self.opt = torch.optim.AdamW([u.shard for u in self.units], lr=lr, betas=betas, eps=eps,
+                                     weight_decay=weight_decay)
+
+    # ------------------------------------------------------------------------------ construction
+
+    def _agree_on_parameters(self) -> None:
+        mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in self.model.named_parameters()
+                if p.requires_grad]
+        every = [None] * self.n
+        dist.all_gather_object(every, mine)
+        for r, theirs in enumerate(every):
+            if theirs != mine:
+                diff = sorted(set(theirs) ^ set(mine))[:4] or "the same names in another order"
+                raise ValueError(f"rank {self.rank} and rank {r} disagree on the trainable parameters "
+                                 f"(name, shape, dtype) {diff}: build the same model on every rank "
+                                 "before ZeroAdamW")
+
+    def _attach_grad_views(self, u: _Unit) -> None:
+        """Stage 1: each .grad is a view into the flat gradient buffer; autograd adds in place."""
+        u.grad_views = [u.grad_full[o:o + p.numel()].view_as(p)
+                        for p, o in zip(u.params, u.offsets)]
+        for p, g in zip(u.params, u.grad_views):
+            p.grad = g
+
+    # ------------------------------------------------------------------------- gather and free
+
+    def _gather(self, u: _Unit, counter: ByteCounter | None = None) -> None:
+        if u.gathered:
+            return
+        u.full.untyped_storage().resize_(u.nbytes)
+        with torch.no_grad():
+            u.own(u.full).copy_(u.shard)
+            ring_all_gather(u.full, counter or self.counter)
+        u.gathered = True
+        self.live += u.nbytes
+        self.peak_gathered = max(self.peak_gathered, self.live)
+
+    def _free(self, u: _Unit) -> None:
+        if u.gathered:
+            u.full.untyped_storage().resize_(0)
+            u.gathered = False
+            self.live = max(0, self.live - u.nbytes)
+
+    def _neighbour(self, u: _Unit, step: int):
+        i = self.units.index(u) + step
+        if 0 <= i < len(self.units) and self.units[i].reshard:
+            return self.units[i]
+
+    def _before_forward(self, u: _Unit) -> None:
+        self._gather(u)
+        if self.prefetch and (nxt := self._neighbour(u, +1)) is not None:
+            self._gather(nxt)
+
+    def _after_forward(self, u: _Unit, out) -> None:
+        if u.reshard:
+            self._free(u)
+        if torch.is_grad_enabled():
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            for t in outs:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda g, u=u: self._before_backward(u))
+
+    def _before_backward(self, u: _Unit) -> None:
+        self._gather(u)
+        if self.prefetch and (prev := self._neighbour(u, -1)) is not None:
+            self._gather(prev)
+
+    # ------------------------------------------------------------------------------- gradients
+
+    def _grad_ready(self, u: _Unit) -> None:
+        u.ready += 1
+        if u.ready == len(u.params):
+            self._reduce_unit(u)
+
+    def _reduce_unit(self, u: _Unit) -> None:
+        """Stages 2 and 3: reduce-scatter this unit's gradient now, keep the shard, drop the rest."""
+        flat = torch.zeros(u.padded, dtype=u.full.dtype, device=u.full.device)
+        start = 0
+        for p in u.params:
+            if p.grad is not None:
+                flat[start:start + p.numel()].copy_(p.grad.view(-1))
+            p.grad = None
+            start += p.numel()
+        self.peak_grad = max(self.peak_grad, flat.numel() * flat.element_size())
+        ring_reduce_scatter(flat, self.counter)
+        u.shard.grad.add_(u.own(flat))
+        u.ready = 0
+        if self.stage == 3:
+            self._free(u)
+
+    def step(self) -> None:
+        """Reduce what is left, update this rank's shards with AdamW, share the result."""
+        for u in self.units:
+            if self.stage == 1:
+                for p, g in zip(u.params, u.grad_views):
+                    if p.grad is None:
+                        g.zero_()
+                    elif p.grad.data_ptr() != g.data_ptr():  # someone replaced .grad: take it
+                        g.copy_(p.grad)
+                ring_reduce_scatter(u.grad_full, self.counter)
+            elif u.ready:  # some of the unit's parameters got no gradient this step
+                self._reduce_unit(u)
+            u.shard.grad.div_(self.n)  # sums of N mean losses -> the mean over the whole batch
+        self.opt.step()
+        for u in self.units:
+            if self.stage == 1:
+                u.grad_full.zero_()
+                self._attach_grad_views(u)
+                ring_all_gather(u.full, self.counter)
+            else:
+                u.shard.grad.zero_()
+                if self.stage == 2:
+                    ring_all_gather(u.full, self.counter)
+                else:
+                    self._free(u)  # the next forward gathers the new values
+
+    def zero_grad(self) -> None:
+        """Gradients are zeroed by ``step``; this clears any a forward/backward left since."""
+        for u in self.units:
+            if self.stage == 1:
+                u.grad_full.zero_()
+                self._attach_grad_views(u)
+            else:
+                u.shard.grad.zero_()
+                u.ready = 0
+                for p in u.params:
+                    p.grad = None
+
+    # -------------------------------------------------------------------------------- measuring
+
+    def numel(self) -> int:
+        """Psi as stored: trainable parameters, every unit padded to a multiple of N."""
+        return sum(u.padded for u in self.units)
+
+    def formula(self) -> dict[str, float]:
+        """What the formulas say this rank holds and sends per step, summed over its units.
+
+        Units that are not resharded after forward (the root's) cost two collectives, not three.
+        """
+        out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "sent": 0.0}
+        for u in self.units:
+            for k, v in model_state_bytes(self.stage, u.padded, self.n).items():
+                out[k] += v
+            out["sent"] += sent_bytes(self.stage, u.padded, self.n, reshard_after_forward=u.reshard)
+        return out
+
+    def held(self) -> dict[str, int]:
+        """Bytes this rank keeps now, measured from its tensors (optimizer: its state tensors)."""
+        params = sum(u.full.untyped_storage().nbytes() for u in self.units)
+        if self.stage == 3:
+            params += sum(u.shard.nbytes for u in self.units)
+        grads = sum((u.grad_full if self.stage == 1 else u.shard.grad).nbytes for u in self.units)
+        optimizer = sum(t.nbytes for state in self.opt.state.values() for t in state.values()
+                        if isinstance(t, torch.Tensor) and t.dim() > 0)  # not the 0-d step count
+        return {"params": params, "grads": grads, "optimizer": optimizer}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state, on every rank (a collective with stage 3: call it on all ranks)."""
+        spare = ByteCounter()  # not counted as training traffic
+        was, peak = [u.gathered for u in self.units], self.peak_gathered
+        for u in self.units:
+            self._gather(u, spare)
+        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        if self.stage == 3:
+            for u, g in zip(self.units, was):
+                if not g:
+                    self._free(u)
+        self.peak_gathered = peak  # the peak measures training steps, not this read-out
+        return state

@@ -1,0 +1,123 @@
+"""ZeRO stages 1-3 by hand equal single-process AdamW; bytes held and sent equal the formulas."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from d2lpar.processes.launch import launch
+from d2lpar.strategies import zero as Z
+
+STEPS, BATCH = 3, 24
+
+
+def tricky_model(seed=0):
+    """Odd widths (no N divides them), a frozen parameter and a weight tied across two layers."""
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(7, 13), nn.ReLU(), nn.Linear(13, 13), nn.Tanh(),
+                        nn.Linear(13, 13), nn.ReLU(), nn.Linear(13, 3))
+    net[4].weight = net[2].weight
+    net[0].bias.requires_grad_(False)
+    return net
+
+
+def batches(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(BATCH, 7, generator=g), torch.randint(0, 3, (BATCH,), generator=g))
+            for _ in range(STEPS)]
+
+
+def single_process(net, data):
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
+    for X, y in data:
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(X), y).backward()
+        opt.step()
+    return net.state_dict()
+
+
+def _train(stages, make_model, data, kwargs):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for stage in stages:
+        net = make_model()
+        opt = Z.ZeroAdamW(net, stage, lr=1e-2, **kwargs)
+        sent = []
+        for X, y in data:
+            before = opt.counter.sent
+            part = slice(rank * len(X) // n, (rank + 1) * len(X) // n)
+            nn.functional.cross_entropy(net(X[part]), y[part]).backward()
+            opt.step()
+            sent.append(opt.counter.sent - before)
+        out[stage] = {"state": opt.full_state_dict(), "held": opt.held(), "sent": sent,
+                      "numel": opt.numel(), "formula": opt.formula(), "peak": opt.peak_gathered,
+                      "units": [u.padded * 4 for u in opt.units]}
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_every_stage_equals_single_process_adamw(n):
+    data = batches()
+    start = tricky_model().state_dict()
+    expected = single_process(tricky_model(), data)
+    results = launch(_train, n, Z.STAGES, tricky_model, data, {}, timeout=90)
+    moved = [k for k in expected if not torch.allclose(start[k], expected[k])]
+    assert sorted(moved) == sorted(set(expected) - {"0.bias"}), "training moved every trainable tensor"
+    for rank, res in enumerate(results):
+        for stage in Z.STAGES:
+            got = res[stage]["state"]
+            for k in moved:
+                assert not torch.allclose(got[k], start[k])  # differ before ...
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"stage {stage}, rank {rank} of {n}: {m}")
+            f = res[stage]["formula"]
+            assert res[stage]["held"] == {k: f[k] for k in ("params", "grads", "optimizer")}
+            assert res[stage]["sent"] == [f["sent"]] * STEPS
+            if stage < 3:  # one Psi for the whole model: 2 (N-1)/N 4 Psi
+                assert f["sent"] == Z.sent_bytes(stage, res[stage]["numel"], n)
+            if stage == 3:
+                assert res[stage]["peak"] == max(res[stage]["units"][1:] or [0]) + res[stage]["units"][0]
+
+
+def test_prefetch_holds_two_units_and_changes_nothing():
+    data = batches()
+    make = lambda: nn.Sequential(nn.Linear(7, 12), nn.ReLU(), nn.Linear(12, 12), nn.ReLU(),
+                                 nn.Linear(12, 3))
+    torch.manual_seed(0)
+    expected = single_process(make(), data)
+    seeded = lambda: (torch.manual_seed(0), make())[1]
+    plain, pre = [launch(_train, 2, (3,), seeded, data, kw, timeout=60)[0][3]
+                  for kw in ({}, {"prefetch": True})]
+    for res in (plain, pre):
+        torch.testing.assert_close(res["state"], expected, rtol=1e-5, atol=1e-6)
+        assert res["sent"] == [Z.sent_bytes(3, res["numel"], 2)] * STEPS  # no root unit: 1.5x DP
+    sizes = plain["units"]
+    assert plain["peak"] == max(sizes)
+    assert pre["peak"] == max(a + b for a, b in zip(sizes, sizes[1:]))
+
+
+def _bad_stage():
+    Z.ZeroAdamW(nn.Linear(2, 2), 4)
+
+
+def _disagree():
+    net = nn.Linear(2, 3 if dist.get_rank() else 2)
+    Z.ZeroAdamW(net, 1)
+
+
+def test_bad_input_is_named():
+    from d2lpar.processes.launch import RankFailed
+    with pytest.raises(RankFailed, match="stage must be 1, 2 or 3, got 4"):
+        launch(_bad_stage, 1, timeout=30)
+    with pytest.raises(RankFailed, match="disagree on the trainable parameters"):
+        launch(_disagree, 2, timeout=30)
+    with pytest.raises(RuntimeError, match="none is initialised"):
+        Z.ZeroAdamW(nn.Linear(2, 2), 1)
+    with pytest.raises(ValueError, match="stage"):
+        Z.sent_bytes(5, 10, 2)
+
+
+def test_the_paper_table_from_the_formulas():
+    psi, n = 7.5e9, 64
+    gb = [sum(Z.model_state_bytes(s, psi, n, 2, 2, 12).values()) / 1e9 for s in (0, 1, 2, 3)]
+    assert [f"{x:.1f}" for x in gb] == ["120.0", "31.4", "16.6", "1.9"]

@@ -1,0 +1,118 @@
+"""What tensor parallelism costs: collectives, bytes, activation memory, time, as formulas.
+
+For activations of shape (b, s, d) in fp32 (4 bytes), K = 4bsd, on t ranks, each *region* (an MLP or
+an attention block: f ... g) runs per training step
+
+    Megatron:             forward 1 all-reduce of K,                backward 1 all-reduce of K
+    sequence parallel:    forward 1 all-gather + 1 reduce-scatter,  backward the same
+
+and each rank sends 2(t-1)K/t bytes each way in both cases (an all-reduce *is* a reduce-scatter and an
+all-gather). A transformer layer has two regions. Data parallelism instead all-reduces the layer's
+gradient once per step, 2(n-1)/n * 4P bytes: tensor parallelism's traffic grows with the batch and
+the sequence, data parallelism's with the parameters.
+
+Activation memory per rank, measured (saved tensors) for the blocks of ``d2lpar.strategies.tp_blocks``
+(fp32, no dropout, a heads, MLP width f):
+
+    MLP        4bs(d + 2f/t)                          fc1's input; GELU's input; fc2's input (split)
+    attention  4(bsd + 4bsd/t + b a s^2/t)            QKV's input; q, k, v; softmax; out's input
+    layer      4(4bsd + 4bs + (4bsd + 2bsf + b a s^2)/t)                        (Megatron)
+    layer, SP  4(2bsd + (2bsd + 4bs + 4bsd + 2bsf + b a s^2)/t)                 (sequence parallel)
+
+(the 4bs are LayerNorm's mean and 1/std). Korthikanti et al. (2022) count for a GPT layer in 16-bit
+with dropout, h = d: ``sbh(34 + 5as/h)`` on one device, ``sbh(10 + 24/t + 5as/(ht))`` with tensor
+parallelism and ``sbh/t (34 + 5as/h)`` with sequence parallelism too; the last assumes the layer keeps
+only its shard of each all-gathered input and gathers it again in the backward pass, which ours does
+not (the 2bsd that stay whole above).
+
+Time: a layer's forward is 8bsd^2 + 4bs^2 d + 4bsdf flops (the backward twice that), split over t;
+its four all-reduces per step go over whatever links join the t GPUs: NVLink inside a node, the
+network between nodes. ``tp_step_time`` sets the two beside each other for a described GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from d2lpar.cost.costmodel import MACHINES, Link, Machine, allreduce_time
+
+__all__ = ["REGIONS", "comm_formula", "dp_grad_sent", "activation_bytes", "korthikanti_bytes",
+           "layer_flops", "GPU", "GPUS", "ACROSS_NODES", "tp_step_time"]
+
+REGIONS = {"mlp": 1, "attn": 1, "layer": 2}
+
+
+def _regions(block: str) -> int:
+    if block not in REGIONS:
+        raise ValueError(f"unknown block {block!r}: use one of {', '.join(REGIONS)}")
+    return REGIONS[block]
+
+
+def comm_formula(block: str, b: int, s: int, d: int, t: int, sequence_parallel: bool = False,
+                 element_size: int = 4) -> dict:
+    """Per pass: the collectives one rank runs and the bytes it sends (ring algorithms).
+
+    Same shape as ``CommLog.summary()``; the sequence-parallel gradient sync is not included.
+    """
+    k, regions = element_size * b * s * d, _regions(block)
+    if t == 1:
+        return {p: {"counts": {}, "sent": 0.0} for p in ("forward", "backward")}
+    counts = ({"all_gather": regions, "reduce_scatter": regions} if sequence_parallel
+              else {"all_reduce": regions})
+    sent = regions * 2 * (t - 1) / t * k
+    return {p: {"counts": dict(counts), "sent": sent} for p in ("forward", "backward")}
+
+
+def dp_grad_sent(params: int, n: int, element_size: int = 4) -> float:
+    """Bytes one rank sends per step when data parallelism all-reduces ``params`` gradients."""
+    return 2 * (n - 1) / n * element_size * params
+
+
+def activation_bytes(block: str, b: int, s: int, d: int, heads: int, hidden: int, t: int = 1,
+                     sequence_parallel: bool = False) -> float:
+    """Bytes of saved activations per rank for our fp32 blocks (the formulas above)."""
+    _regions(block)
+    mlp = 4 * b * s * (d + 2 * hidden / t)
+    attn = 4 * (b * s * d + 4 * b * s * d / t + b * heads * s * s / t)
+    if block == "mlp":
+        return mlp
+    if block == "attn":
+        return attn
+    norms = 4 * (2 * b * s * d + 4 * b * s)  # two LayerNorms: inputs, means and 1/stds
+    return mlp + attn + (norms / t if sequence_parallel else norms)
+
+
+def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int = 1,
+                      sequence_parallel: bool = False) -> float:
+    """Activation bytes per rank of one GPT layer, 16-bit with dropout (Korthikanti et al., 2022)."""
+    if sequence_parallel:
+        return s * b * h / t * (34 + 5 * a * s / h)
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def layer_flops(b: int, s: int, d: int, hidden: int) -> float:
+    """Forward flops of one transformer layer (matmuls only): 8bsd^2 + 4bs^2 d + 4bsdf."""
+    return 8 * b * s * d * d + 4 * b * s * s * d + 4 * b * s * d * hidden
+
+
+@dataclass(frozen=True)
+class GPU:
+    """A described GPU: dense 16-bit peak and the fraction of it large matmuls reach."""
+    name: str
+    peak_flops: float
+    efficiency: float = 0.6
+
+
+GPUS = {"A100": GPU("A100 (bf16 dense)", 312e12), "H100": GPU("H100 SXM (bf16 dense)", 989e12)}
+
+# Between nodes each GPU has its own 200 Gb/s InfiniBand port: about 20 GB/s in practice.
+ACROSS_NODES = Machine("8 nodes, InfiniBand 200 Gb/s per GPU", 8, Link(20e9, 10e-6), 500e9)
+
+
+def tp_step_time(gpu: GPU, b: int, s: int, d: int, hidden: int, t: int,
+                 machine: Machine | None = None, element_size: int = 2) -> dict[str, float]:
+    """Seconds per training step of one layer on t GPUs: compute, and its four all-reduces."""
+    machine = machine or MACHINES["8 GPUs, NVSwitch"]
+    compute = 3 * layer_flops(b, s, d, hidden) / t / (gpu.peak_flops * gpu.efficiency)
+    comm = 4 * allreduce_time("ring", element_size * b * s * d, t, machine)
+    return {"compute": compute, "comm": comm, "comm_share": comm / (compute + comm)}

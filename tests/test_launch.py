@@ -1,41 +1,33 @@
-"""The launcher: results come back, failures and hangs become errors, nothing is left behind."""
+"""The launcher: results come back; failures and hangs become errors that show what happened, name
+the rank that began it and point at full logs; nothing is left behind, not even by a killed caller."""
 
+import inspect
 import os
+import re
+import signal
 import socket
+import subprocess
+import sys
 import textwrap
+import time
+import uuid
+from pathlib import Path
 
 import pytest
 import torch
 
+from d2lpar.processes import launch as launch_module
+from d2lpar.processes.commands import HAVE_PROC, REPO, descendants, open_fds
 from d2lpar.processes.launch import LaunchError, LaunchTimeout, RankFailed, choose_backend, launch
 
-
-def _children() -> set[int]:
-    """Live (non-zombie) descendants of this process, read from /proc."""
-    me, kids = os.getpid(), set()
-    parents = {}
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z":
-                parents[int(pid)] = int(fields[1])
-    frontier = {me}
-    while frontier:
-        frontier = {p for p, pp in parents.items() if pp in frontier} - kids
-        kids |= frontier
-    return kids
+needs_proc = pytest.mark.skipif(not HAVE_PROC, reason="counts processes through /proc (Linux)")
 
 
 @pytest.fixture
-def no_strays():
-    launch(_rank_and_size, 1)  # start the forkserver before counting
-    before = _children()
+def no_strays(warm_launcher):
+    before = descendants()
     yield
-    assert _children() == before, "a rank outlived its launch"
+    assert descendants() == before, "a rank outlived its launch"
 
 
 def _rank_and_size():
@@ -54,10 +46,6 @@ def test_results_in_rank_order(no_strays):
     assert launch(_rank_and_size, 3) == [(r, 3, str(r)) for r in range(3)]
 
 
-def test_all_reduce_on_four_ranks(no_strays):
-    assert launch(_all_reduce, 4, 10) == [46.0] * 4
-
-
 def test_notebook_defined_function(no_strays):
     # A function whose module is __main__ is what a notebook cell defines: it must go by value.
     ns = {"__name__": "__main__"}
@@ -67,39 +55,93 @@ def test_notebook_defined_function(no_strays):
         def worker(x):
             t = torch.full((2,), float(x * SCALE))
             dist.all_reduce(t)
-            print("sum is", t.tolist())
             return t.tolist()
     """), ns)
     assert launch(ns["worker"], 4, 1) == [[12.0, 12.0]] * 4
 
 
-def test_output_printed_in_rank_order(no_strays, capsys):
+def test_output_in_rank_order_down_to_the_file_descriptors(no_strays, capsys):
     def talk():
+        import ctypes
         import torch.distributed as dist
-        print(f"hello from {dist.get_rank()}")
+        r = dist.get_rank()
+        print(f"python {r}")
+        os.write(1, f"fd1 {r}\n".encode())
+        os.write(2, f"fd2 {r}\n".encode())
+        subprocess.run(["sh", "-c", f"echo subprocess {r}"], check=True)
+        ctypes.CDLL(None).printf(b"printf %d\n", r)  # C stdio, buffered: flushed at the end
     launch(talk, 2)
     out = capsys.readouterr().out
-    assert "[rank 0] hello from 0\n[rank 1] hello from 1\n" in out
+    assert "".join(f"[rank {r}] {w} {r}\n" for r in (0, 1)
+                   for w in ("python", "fd1", "fd2", "subprocess", "printf")) in out
     launch(talk, 2, quiet=True)
     assert capsys.readouterr().out == ""
+
+
+def test_environment_as_it_is_at_each_launch(no_strays, monkeypatch):
+    def seen():
+        import torch.distributed as dist
+        return [os.environ.get(k) for k in ("NCCL_DEBUG", "CUDA_VISIBLE_DEVICES", "D2LPAR_X")] + [
+            dist.get_debug_level().name]
+    for k in ("NCCL_DEBUG", "CUDA_VISIBLE_DEVICES", "TORCH_DISTRIBUTED_DEBUG"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("D2LPAR_X", "first")
+    assert launch(seen, 2) == [[None, None, "first", "OFF"]] * 2  # differ before ...
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "INFO")  # torch reads it at import: read again
+    monkeypatch.delenv("D2LPAR_X")
+    assert launch(seen, 2) == [["INFO", "", None, "INFO"]] * 2  # ... equal after
+    assert launch(seen, 1, env={"D2LPAR_X": "given"})[0][2] == "given"
 
 
 def test_init_left_to_the_worker(no_strays):
     def worker():
         import torch.distributed as dist
         dist.init_process_group("gloo", init_method="env://")
-        return int(os.environ["RANK"]), dist.get_world_size()
-    assert launch(worker, 2, init_process_group=False) == [(0, 2), (1, 2)]
+        return int(os.environ["RANK"]), dist.get_world_size(), torch.get_num_threads()
+    assert launch(worker, 2, init_process_group=False) == [(0, 2, 1), (1, 2, 1)]
 
 
-def test_one_thread_per_rank(no_strays):
-    assert launch(torch.get_num_threads, 2) == [1, 1]
+# ------------------------------------------------------------------------ refused before starting
+
+@pytest.fixture
+def nothing_starts(monkeypatch):
+    def refuse():
+        raise AssertionError("a process was about to start")
+    monkeypatch.setattr(launch_module, "_forkserver", refuse)
 
 
-@pytest.mark.parametrize("n", [0, -2, 2.0])
-def test_bad_world_size(n):
+@pytest.mark.parametrize("n", [0, -2, 2.0, True])
+def test_bad_world_size(n, nothing_starts):
     with pytest.raises(LaunchError, match="world_size must be a whole number"):
         launch(_rank_and_size, n)
+
+
+def test_bad_arguments_fail_in_the_caller(nothing_starts):
+    with pytest.raises(LaunchError, match=r"fn must be the function each rank runs, got float 3.0"):
+        launch(3.0, 2)
+    with pytest.raises(LaunchError, match=r"_all_reduce\(value\) cannot take .* missing .*'value'"):
+        launch(_all_reduce, 2)
+    with pytest.raises(LaunchError, match="too many positional arguments"):
+        launch(_all_reduce, 2, 1, 2)
+    with pytest.raises(LaunchError, match="timeout must be a positive number"):
+        launch(_all_reduce, 2, 1, timeout=0)
+
+    def wait(timeout):
+        return timeout
+    # launch's own timeout= takes the keyword; the worker then lacks it: say so, and the way out
+    with pytest.raises(LaunchError, match=r"`timeout` is also an option of launch\(\).*"
+                                          r"fn_kwargs=\{'timeout': \.\.\.\}.*Nothing was started"):
+        launch(wait, 2, timeout=5)
+    with pytest.raises(LaunchError, match="given both as keywords and in fn_kwargs"):
+        launch(_all_reduce, 2, value=1, fn_kwargs={"value": 2})
+
+
+def test_fn_kwargs_reach_the_worker(no_strays):
+    def wait(timeout, backend="mine"):
+        return timeout, backend
+    assert launch(wait, 1, fn_kwargs={"timeout": 7, "backend": "b"}, timeout=30) == [(7, "b")]
 
 
 def test_nccl_needs_a_gpu_per_rank(monkeypatch):
@@ -120,59 +162,16 @@ def test_nccl_without_gpus(monkeypatch):
         launch(_rank_and_size, 2, backend="nccl")
 
 
-def test_unknown_backend():
+def test_unknown_backend(nothing_starts):
     with pytest.raises(LaunchError, match="unknown backend 'mpi2'"):
         launch(_rank_and_size, 2, backend="mpi2")
 
 
-def test_unserializable_function():
+def test_unserializable_function(nothing_starts):
     import threading
     lock = threading.Lock()
     with pytest.raises(LaunchError, match="cannot send .* create locks, files and sockets inside"):
         launch(lambda: lock.locked(), 2)
-
-
-def test_a_rank_that_raises(no_strays):
-    def worker():
-        import torch.distributed as dist
-        if dist.get_rank() == 2:
-            print("about to fail")
-            raise ValueError("bad shard")
-        dist.barrier()  # the others wait for rank 2, which never comes
-    with pytest.raises(RankFailed) as info:
-        launch(worker, 4, timeout=30)
-    err = info.value
-    assert err.rank == 2 and "ValueError: bad shard" in err.remote_traceback
-    assert "rank 2 of 4 failed" in str(err) and "about to fail" in str(err)
-
-
-def test_a_rank_that_dies(no_strays):
-    def worker():
-        import torch.distributed as dist
-        if dist.get_rank() == 1:
-            os.kill(os.getpid(), 9)
-        dist.barrier()
-    with pytest.raises(RankFailed, match="(?s)rank 1 of 2 failed.*was killed by signal SIGKILL"):
-        launch(worker, 2, timeout=30)
-
-
-def test_a_rank_that_never_joins(no_strays):
-    def worker():
-        import time
-        import torch.distributed as dist
-        if dist.get_rank() == 0:
-            time.sleep(60)
-        return dist.get_rank()
-    with pytest.raises(LaunchTimeout, match=r"ranks \[0(, 1)?\] of 2 had not finished after 2 s"):
-        launch(worker, 2, timeout=2)
-
-
-def test_a_result_that_cannot_be_returned(no_strays):
-    def worker():
-        import threading
-        return threading.Lock()
-    with pytest.raises(RankFailed, match="(?s)rank 0 of 1 failed.*lock"):
-        launch(worker, 1)
 
 
 def test_port_in_use():
@@ -184,19 +183,137 @@ def test_port_in_use():
             launch(_rank_and_size, 2, master_port=port)
 
 
-def test_launches_are_cheap_after_the_first(no_strays):
-    import time
+# ---------------------------------------------------------------------------------- failures
+
+def test_a_rank_that_raises(no_strays):
+    def worker():
+        import torch.distributed as dist
+        if dist.get_rank() == 2:
+            for i in range(30):
+                print(f"line{i:02d}")
+            raise ValueError("bad shard")
+        dist.barrier()  # the others wait for rank 2, which never comes
+    with pytest.raises(RankFailed) as info:
+        launch(worker, 4, timeout=30)
+    err, text = info.value, str(info.value)
+    assert err.rank == 2 and "ValueError: bad shard" in err.remote_traceback
+    assert "rank 2 of 4 failed" in text and "\n    line29" in text and "line10" in text
+    assert "line09" not in text  # the last 20 lines, not more
+    assert sorted(err.consequences) == [0, 1, 3], "the others are listed as consequences"
+    log = err.logs / "rank2.log"
+    assert str(err.logs) in text and log.exists(), "the error points at the full log"
+    full = log.read_text()
+    assert "line00" in full and "ValueError: bad shard" in full
+
+
+def test_a_rank_killed_in_an_all_reduce_is_named_every_time(no_strays):
+    # Rank 1 dies while rank 0 waits for it in an all-reduce. Rank 0 then fails too ("Connection
+    # closed by peer"), often before the caller sees rank 1's death: rank 1 must still be named.
+    def worker():
+        import torch.distributed as dist
+        if dist.get_rank() == 1:
+            time.sleep(0.02)
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(torch.ones(1))
+    named = []
+    for _ in range(20):
+        with pytest.raises(RankFailed) as info:
+            launch(worker, 2, timeout=30)
+        named.append(info.value.rank)
+        assert "was killed by signal SIGKILL" in info.value.remote_traceback
+    assert named == [1] * 20
+    assert re.search(r"as a consequence:\n  rank 0: .*Connection closed by peer", str(info.value))
+
+
+def test_a_rank_that_never_joins_shows_where_each_rank_waits(no_strays):
+    def worker():
+        import torch.distributed as dist
+        print("started")
+        if dist.get_rank() == 0:
+            time.sleep(60)
+        dist.all_reduce(torch.ones(1))
+    line = inspect.getsourcelines(worker)[1]
+    with pytest.raises(LaunchTimeout, match=r"ranks \[0, 1, 2\] of 3 had not finished after 1 s") as info:
+        launch(worker, 3, timeout=1)
+    text = str(info.value)
+    assert f"rank 0 was in worker ({__file__} line {line + 4})" in text
+    for r in (1, 2):
+        assert re.search(rf"rank {r} was in all_reduce \(torch/distributed/\S+ line \d+\), called "
+                         rf"from worker \({re.escape(__file__)} line {line + 5}\)", text)
+        assert f"rank {r} (rank{r}.log):\n    started" in text
+    assert sorted(info.value.stacks) == [0, 1, 2] and (info.value.logs / "rank0.log").exists()
+
+
+def test_a_result_that_cannot_be_returned(no_strays):
+    def worker():
+        import threading
+        return threading.Lock()
+    with pytest.raises(RankFailed, match="(?s)rank 0 of 1 failed.*lock"):
+        launch(worker, 1)
+
+
+# ------------------------------------------------------------------------ nothing left behind
+
+@needs_proc
+def test_many_launches_leak_no_descriptors_nor_processes(warm_launcher):
+    launch(_all_reduce, 4, 0)  # lazy one-time state (the store, pipes) before counting
+    fds, kids = open_fds(), descendants()
     t0 = time.perf_counter()
-    for _ in range(3):
-        launch(_all_reduce, 4, 0)
-    assert (time.perf_counter() - t0) / 3 < 2.0, "a warm launch of 4 ranks should take well under 2 s"
+    for _ in range(20):
+        assert launch(_all_reduce, 4, 0) == [6.0] * 4
+    seconds = (time.perf_counter() - t0) / 20
+    assert (open_fds(), descendants()) == (fds, kids)
+    assert seconds < 2.0, "a warm launch of 4 ranks should take well under 2 s"
+
+
+def _with_marker(marker: str) -> list[int]:
+    """Processes whose (initial) environment carries ``marker``."""
+    needle = f"D2LPAR_TEST_MARK={marker}".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(int(name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+@needs_proc
+def test_no_process_outlives_a_caller_killed_hard(tmp_path):
+    # The caller starts 4 ranks that sleep, and is SIGKILLed (a kernel crash, the OOM killer).
+    script = tmp_path / "caller.py"
+    script.write_text(textwrap.dedent(f"""
+        import pathlib, time
+        from d2lpar.processes.launch import launch
+        def worker():
+            import torch.distributed as dist
+            pathlib.Path({str(tmp_path)!r}, f"up{{dist.get_rank()}}").touch()
+            time.sleep(60)
+        launch(worker, 4, timeout=100)
+    """))
+    marker = uuid.uuid4().hex
+    caller = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.DEVNULL,
+                              env={**os.environ, "D2LPAR_TEST_MARK": marker})
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("up*"))) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(list(tmp_path.glob("up*"))) == 4, "the ranks did not start"
+        assert len(_with_marker(marker)) >= 6  # caller, forkserver, 4 ranks (+ resource tracker)
+    finally:
+        caller.kill()
+        caller.wait()
+    killed = time.monotonic()
+    while _with_marker(marker) and time.monotonic() - killed < 5:
+        time.sleep(0.05)
+    assert _with_marker(marker) == [], "a forkserver or rank outlived its caller by 5 s"
 
 
 def test_a_script_without_a_main_guard(tmp_path):
     # Ranks get the worker by value, so they never re-run the calling script: no
     # `if __name__ == "__main__":` is needed, and the script does not launch itself again.
-    import subprocess
-    import sys
     script = tmp_path / "no_guard.py"
     script.write_text(textwrap.dedent("""
         import torch, torch.distributed as dist

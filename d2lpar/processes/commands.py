@@ -7,6 +7,10 @@ workers running. Every command started here gets a random tag in its environment
 and ``stop()`` kills exactly the processes that carry it (found through ``/proc`` on Linux; elsewhere
 the process group is killed). The same tag lets a test find "the worker with RANK=1" and kill it.
 
+Platforms: ``/proc`` and process groups are Linux (and, for groups, POSIX) features. Without
+``/proc`` (macOS, Windows) tagged processes cannot be found, so ``stop()`` kills the command and its
+process group only, ``leftovers()`` and ``pids()`` return ``[]``, and each says so once in a warning.
+
 Output (stdout and stderr merged) is collected line by line while the command runs. ``text()`` gives it
 back with machine paths (the Python executable, the checkout, the temporary folder) replaced by short
 names, and ``pretty(cmd)`` prints a command the way a reader would type it.
@@ -24,17 +28,28 @@ import tempfile
 import threading
 import time
 import uuid
+import warnings
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-__all__ = ["CommandFailed", "Running", "free_port", "is_alive", "launcher_free_env", "leftovers", "pretty", "run",
-           "start", "REPO"]
+__all__ = ["CommandFailed", "Running", "descendants", "free_port", "is_alive", "launcher_free_env",
+           "leftovers", "open_fds", "pretty", "run", "start", "REPO", "HAVE_PROC"]
 
 REPO = Path(__file__).resolve().parents[2]  # the folder that holds the d2lpar package
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                  "MASTER_ADDR", "MASTER_PORT")
 TAG = "D2LPAR_RUN_TAG"
 _started: set[str] = set()  # the tags of every command this process started
+HAVE_PROC = os.path.isdir("/proc")  # Linux; macOS and Windows have no /proc
+_warned: set[str] = set()
+
+
+def _without_proc(what: str) -> None:
+    """Say once, in one sentence, what this platform cannot do without /proc."""
+    if what not in _warned:
+        _warned.add(what)
+        warnings.warn(f"d2lpar.processes.commands: this platform has no /proc, so {what}",
+                      RuntimeWarning, stacklevel=3)
 
 
 class CommandFailed(RuntimeError):
@@ -86,7 +101,11 @@ def pretty(cmd: Sequence[str], env: Mapping[str, str] | None = None, cwd=None) -
 
 def _tagged(*tags: str) -> list[int]:
     pids = []
-    if not os.path.isdir("/proc") or not tags:
+    if not tags:
+        return pids
+    if not HAVE_PROC:
+        _without_proc("processes that a command started in a session of their own cannot be found "
+                      "(only the command and its process group are stopped)")
         return pids
     needles = {f"{TAG}={tag}".encode() for tag in tags}
     for name in os.listdir("/proc"):
@@ -108,11 +127,51 @@ def leftovers() -> list[int]:
 
 def is_alive(pid: int) -> bool:
     """Whether the process runs (a zombie, dead but not yet reaped, does not count)."""
+    if not HAVE_PROC:
+        if os.name != "posix":  # on Windows os.kill(pid, 0) would terminate the process
+            _without_proc("is_alive() cannot tell whether a process runs, and answers True")
+            return True
+        try:
+            os.kill(pid, 0)  # a zombie counts as alive here
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def descendants(pid: int | None = None) -> set[int] | None:
+    """Live (non-zombie) descendants of ``pid`` (default: this process); None without /proc."""
+    if not HAVE_PROC:
+        return None
+    parents = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                parents[int(name)] = int(fields[1])
+    kids, frontier = set(), {os.getpid() if pid is None else pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - kids
+        kids |= frontier
+    return kids
+
+
+def open_fds() -> int | None:
+    """How many file descriptors this process has open; None where the platform cannot say."""
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        if os.path.isdir(folder):
+            return len(os.listdir(folder)) - 1  # listing the folder opens one
+    return None
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -174,14 +233,17 @@ class Running:
         for _ in range(3):
             pids = _tagged(self.tag)
             try:  # the session we started: the command and whatever stayed in its group
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                if hasattr(os, "killpg"):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                else:  # Windows: no process groups to kill, only the command itself
+                    self.proc.kill()
             except OSError:
                 pass
             if not pids:
                 break
             for pid in pids:
                 try:
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)  # pids come from /proc: Linux only
                 except OSError:
                     pass
             time.sleep(0.05)

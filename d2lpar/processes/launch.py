@@ -6,62 +6,53 @@ who, exactly as under ``torchrun``, so the worker you write here is the worker y
 
 How it differs from ``torch.multiprocessing.spawn``:
 
-* ``fn`` may be defined in a notebook cell: it is serialized by value with cloudpickle.
+* ``fn`` may be defined in a notebook cell: it is serialized by value with cloudpickle. Bad
+  arguments (``fn`` not callable, arguments ``fn`` cannot take) fail here, before any process starts.
 * Processes come from a *forkserver* that has already imported torch, so after the first launch
   starting a rank costs a fork, not a Python start-up plus ``import torch``. Fork is taken from the
-  server, never from the caller, so a caller that has initialised CUDA is safe.
+  server, never from the caller, so a caller that has initialised CUDA is safe. Each launch hands the
+  ranks the caller's environment as it is *now* (``NCCL_DEBUG`` set after a first launch counts).
 * The rendezvous store is held by the caller on a free loopback port (no port race), and the
   backend is chosen for you: NCCL only when each rank gets a GPU of its own, gloo otherwise.
-* Each rank's stdout/stderr is captured and printed by the caller after the run, rank by rank, so
-  the output is the same on every run.
-* Failures surface in the caller: the first rank that raises (or dies) stops the others and becomes
-  one ``RankFailed`` error carrying its traceback; a run that exceeds ``timeout`` is killed and
-  raises ``LaunchTimeout``. No process outlives the call.
+* Each rank's output, down to the file descriptors (C++ warnings, gloo and NCCL messages,
+  subprocesses), goes to a log file; the caller prints it after the run, rank by rank.
+* Failures surface in the caller as one error that names the root cause, the rank that failed first
+  or was killed, with the others listed as consequences, the last lines of every rank's output and
+  the paths of the full logs (see ``ranklog``). A run that exceeds ``timeout`` raises
+  ``LaunchTimeout`` showing where each unfinished rank was waiting (its Python stack).
+* No process outlives the call, nor the caller: a rank exits when the caller dies, even by SIGKILL,
+  and the forkserver follows once its ranks are gone.
 * The group is closed with a barrier before ``destroy_process_group`` (without it, gloo ranks
   sometimes abort at exit).
+
+Platforms. Linux is what the course tests. macOS gets the same forkserver, output capture, stacks
+at a timeout and caller watch, but no parent-death signal (``prctl`` is Linux-only; the watch thread
+covers it). Windows has no fork: ranks start with ``spawn`` (each imports torch, a few seconds a
+launch) and there is no signal to ask a rank for its stack, so a timeout cannot say where ranks waited.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
+import inspect
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import signal
 import socket
-import sys
 import time
-import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
 import cloudpickle
 import torch
 
-from d2lpar.processes.commands import free_port
+from d2lpar.processes import rank as _rank
+from d2lpar.processes import ranklog
+from d2lpar.processes.commands import free_port, launcher_free_env
+from d2lpar.processes.ranklog import LaunchError, LaunchTimeout, RankFailed
 
 __all__ = ["launch", "choose_backend", "LaunchError", "RankFailed", "LaunchTimeout"]
-
-
-class LaunchError(RuntimeError):
-    """The ranks could not be started, or did not finish."""
-
-
-class RankFailed(LaunchError):
-    """A rank raised an exception or died; ``.rank`` names it, ``.remote_traceback`` is its traceback."""
-
-    def __init__(self, rank: int, world_size: int, remote_traceback: str, output: str = ""):
-        self.rank, self.world_size = rank, world_size
-        self.remote_traceback, self.output = remote_traceback, output
-        text = f"rank {rank} of {world_size} failed:\n\n{remote_traceback.rstrip()}"
-        if output.strip():
-            text += f"\n\nrank {rank} printed:\n{output.rstrip()}"
-        super().__init__(text)
-
-
-class LaunchTimeout(LaunchError):
-    """Some ranks had not finished when the timeout ran out; they were stopped."""
 
 
 # ----------------------------------------------------------------------------------------- backend
@@ -94,56 +85,6 @@ def choose_backend(world_size: int, backend: str = "auto") -> tuple[str, str]:
     raise LaunchError(f"unknown backend {backend!r}: use 'auto', 'gloo' or 'nccl'")
 
 
-# ------------------------------------------------------------------------------------ rank process
-
-def _set_parent_death_signal() -> None:
-    """Ask Linux to kill this rank if the process that forked it (the forkserver) goes away."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-
-def _rank_main(rank: int, world_size: int, payload: bytes, conn, env: dict, backend: str,
-               threads: int, timeout_s: float, capture: bool, init_group: bool) -> None:
-    _set_parent_death_signal()
-    os.environ.update(env)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0")
-    torch.set_num_threads(threads)
-    out = io.StringIO()
-    if capture:
-        sys.stdout = sys.stderr = out
-    message: tuple
-    try:
-        fn, args, kwargs = cloudpickle.loads(payload)
-        import torch.distributed as dist
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        if init_group:
-            # With NCCL, CPU tensors still need a backend: gloo carries them, NCCL the CUDA ones.
-            group_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
-            store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size,
-                                  is_master=False, timeout=timedelta(seconds=timeout_s))
-            dist.init_process_group(group_backend, store=store, rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=timeout_s))
-        result = fn(*args, **kwargs)
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
-        message = ("ok", cloudpickle.dumps(result))
-    except BaseException:
-        message = ("error", traceback.format_exc(), time.time())
-    finally:
-        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
-    try:
-        conn.send(message + (out.getvalue(),))
-    except Exception:  # the result itself could not be pickled
-        conn.send(("error", traceback.format_exc(), time.time(), out.getvalue()))
-    conn.close()
-
-
 # ---------------------------------------------------------------------------------------- launcher
 
 _context = None
@@ -155,31 +96,11 @@ def _forkserver():
     if _context is None:
         if "forkserver" in mp.get_all_start_methods():
             _context = mp.get_context("forkserver")
-            _context.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", "d2lpar.processes.launch"])
-        else:  # Windows and others: slower, but correct
+            _context.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle",
+                                             "d2lpar.processes.rank"])
+        else:  # Windows: no fork at all, so each rank starts Python and imports torch
             _context = mp.get_context("spawn")
     return _context
-
-
-@contextlib.contextmanager
-def _main_not_rerun():
-    """Start ranks without re-running the caller's ``__main__`` in them.
-
-    multiprocessing normally re-imports the main script (or module) in every child so that functions
-    defined there can be found by name. Ranks receive ``fn`` by value, so that is pure cost (for
-    ``python -m pytest`` it imports pytest in every rank), and a script without an
-    ``if __name__ == "__main__":`` guard would launch itself again from every rank.
-    """
-    main = sys.modules.get("__main__")
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main and k in main.__dict__}
-    try:
-        if main is not None:
-            main.__dict__.pop("__file__", None)
-            main.__spec__ = None
-        yield
-    finally:
-        if main is not None:
-            main.__dict__.update(saved)
 
 
 def _open_store(addr: str, port: int, world_size: int, timeout_s: float):
@@ -209,25 +130,65 @@ def _stop(procs) -> None:
             p.join()
 
 
+_OPTIONS = ("backend", "timeout", "threads_per_rank", "capture_output", "quiet",
+            "init_process_group", "master_addr", "master_port", "env", "fn_kwargs")
+
+
+def _check_arguments(fn, world_size, timeout, env, args, kwargs) -> None:
+    """Refuse, in the caller and before any process starts, what would only fail in the ranks."""
+    if not callable(fn):
+        raise LaunchError(f"fn must be the function each rank runs, got {type(fn).__name__} "
+                          f"{fn!r:.60}: pass the function itself, e.g. launch(worker, 2, x), "
+                          "not launch(worker(x), 2)")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise LaunchError(f"world_size must be a whole number >= 1, got {world_size!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise LaunchError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if env is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise LaunchError("env must map names to strings, e.g. env={'NCCL_DEBUG': 'INFO'}")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have none: the ranks will find out
+        return
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        name = getattr(fn, "__qualname__", repr(fn))
+        said = f"{name}{sig} cannot take the arguments given to launch(): {e}."
+        clash = [p for p in sig.parameters if p in _OPTIONS and p not in kwargs]
+        if clash:
+            said += (f" `{clash[0]}` is also an option of launch(): `{clash[0]}=` given to launch() "
+                     f"is the launcher's, not {name}'s. Pass {name}'s positionally or with "
+                     f"fn_kwargs={{'{clash[0]}': ...}}.")
+        raise LaunchError(said + " Nothing was started.") from None
+
+
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "auto",
            timeout: float = 120.0, threads_per_rank: int = 1, capture_output: bool = True,
            quiet: bool = False, init_process_group: bool = True, master_addr: str = "127.0.0.1",
-           master_port: int = 0, env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
+           master_port: int = 0, env: dict[str, str] | None = None,
+           fn_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the list of their return values.
 
     backend: 'auto' (NCCL with one GPU per rank, else gloo), 'gloo' or 'nccl'.
-    timeout: seconds for the whole run (and for each collective); on expiry every rank is stopped.
+    timeout: seconds for the whole run; then the unfinished ranks' stacks are taken and every rank
+        is stopped (collectives get a few seconds more, so the launcher's timeout speaks first).
     threads_per_rank: torch compute threads per rank (1 keeps simulated ranks from fighting for cores).
-    capture_output: capture each rank's output and print it after the run, prefixed and in rank
-        order (False lets ranks write to the terminal as they go, interleaved).
+    capture_output: capture each rank's output (file descriptors 1 and 2) and print it after the
+        run, prefixed and in rank order (False lets ranks write to the terminal as they go,
+        interleaved, and errors then cannot quote it).
     quiet: with capture_output, discard what the ranks print instead.
     init_process_group: False leaves the call to ``dist.init_process_group()`` to ``fn``, with
         MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK set for ``init_method='env://'``.
+    env: variables set in the ranks on top of the caller's environment (which they get as it is now).
+    fn_kwargs: keyword arguments for ``fn`` whose names are also options of launch (``timeout``...).
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise LaunchError(f"world_size must be a whole number >= 1, got {world_size!r}")
-    if timeout <= 0:
-        raise LaunchError(f"timeout must be positive, got {timeout!r}")
+    fn_kwargs = dict(fn_kwargs or {})
+    if set(fn_kwargs) & set(kwargs):
+        raise LaunchError(f"{sorted(set(fn_kwargs) & set(kwargs))} given both as keywords and in "
+                          "fn_kwargs: give each once")
+    kwargs.update(fn_kwargs)
+    _check_arguments(fn, world_size, timeout, env, args, kwargs)
     chosen, reason = choose_backend(world_size, backend)
     if backend == "auto" and (chosen, reason) not in _said:
         _said.add((chosen, reason))
@@ -240,27 +201,42 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
                           "numbers, modules); create locks, files and sockets inside the worker") from e
 
     ctx = _forkserver()
+    group_timeout = timeout + 10  # the launcher's deadline comes first, and takes the stacks
     store = None
     if init_process_group:
-        store = _open_store(master_addr, master_port, world_size, timeout)
+        store = _open_store(master_addr, master_port, world_size, group_timeout)
         port = store.port
     else:
         port = master_port or free_port(master_addr)
-    shared_env = {"MASTER_ADDR": master_addr, "MASTER_PORT": str(port),
-                  "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
-                  "OMP_NUM_THREADS": str(threads_per_rank), **(env or {})}
+    rank_env = launcher_free_env({
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": str(threads_per_rank), **(env or {})})
 
-    procs, readers = [], []
+    logs = ranklog.RunLogs(world_size)
+    procs, readers, done = [], [], False
     try:
-        with _main_not_rerun():
-            _start_ranks(ctx, procs, readers, world_size, payload, shared_env, chosen,
-                         threads_per_rank, timeout, capture_output, init_process_group)
-        results, outputs = _collect(procs, readers, world_size, timeout)
+        with _rank.main_not_rerun():
+            for rank in range(world_size):
+                reader, writer = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_rank.main, name=f"d2lpar-rank{rank}", args=(
+                    rank, world_size, payload, writer, rank_env, chosen, threads_per_rank,
+                    group_timeout, str(logs.log(rank)), str(logs.stack(rank)), capture_output,
+                    init_process_group))
+                procs.append(p)
+                readers.append(reader)
+                p.start()
+                writer.close()
+        results = _collect(procs, readers, world_size, timeout, logs, capture_output)
+        done = True
     finally:
         _stop(procs)
         for r in readers:
             r.close()
         del store
+        if not done:
+            logs.keep()
+    outputs = [logs.output(rank) for rank in range(world_size)]
+    logs.remove()
     if capture_output and not quiet:
         for rank, text in enumerate(outputs):
             for line in text.rstrip("\n").splitlines():
@@ -268,71 +244,73 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     return results
 
 
-def _start_ranks(ctx, procs, readers, world_size, payload, env, backend, threads, timeout,
-                 capture, init_group) -> None:
-    for rank in range(world_size):
-        reader, writer = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_rank_main, name=f"d2lpar-rank{rank}",
-                        args=(rank, world_size, payload, writer, env, backend, threads, timeout,
-                              capture, init_group))
-        procs.append(p)
-        readers.append(reader)
-        p.start()
-        writer.close()
+def _receive(proc, reader, obj) -> tuple:
+    """The rank's message, or ("died", how, when) if it ended without one."""
+    if reader.poll() or (obj is not reader and proc.join(0.5) is None and reader.poll(0.5)):
+        try:
+            return reader.recv()
+        except (EOFError, OSError):
+            pass
+    proc.join(1.0)
+    code = proc.exitcode
+    why = (f"was killed by signal {signal.Signals(-code).name}" if code and code < 0
+           else f"exited with code {code}")
+    return ("died", f"the process {why} before returning a result", time.time())
 
 
-def _collect(procs, readers, world_size: int, timeout: float):
-    """Wait for every rank's message; raise on the first failure or at the deadline."""
+def _collect(procs, readers, world_size: int, timeout: float, logs, captured: bool) -> list[Any]:
+    """Wait for every rank's message; raise once the failures are in, or at the deadline."""
     deadline = time.monotonic() + timeout
     results: list[Any] = [None] * world_size
-    outputs = [""] * world_size
-    errors: list[tuple[float, int, str, str]] = []
+    failures: list[ranklog.Failure] = []
     pending = set(range(world_size))
-    error_deadline = None
+    first_failure = None
     while pending:
-        now = time.monotonic()
-        if error_deadline is not None and now >= error_deadline:
-            break
-        limit = min(deadline, error_deadline or deadline) - now
-        if limit <= 0:
+        end = deadline
+        if first_failure is not None:  # the others get a moment to report; more if no cause yet
+            known_cause = any(not f.consequence for f in failures)
+            end = min(deadline, first_failure + (0.5 if known_cause else 2.0))
+        if time.monotonic() >= end:
             break
         waitables = {readers[r]: r for r in pending}
         waitables.update({procs[r].sentinel: r for r in pending})
-        for obj in mp.connection.wait(list(waitables), timeout=limit):
+        for obj in mp.connection.wait(list(waitables), timeout=end - time.monotonic()):
             rank = waitables[obj]
             if rank not in pending:
                 continue
-            reader = readers[rank]
-            if reader.poll():
-                try:
-                    msg = reader.recv()
-                except (EOFError, OSError):
-                    msg = None
-            elif obj is reader:
-                msg = None
-            else:
-                procs[rank].join(0.5)  # exited: give the message (if any) a moment to arrive
-                msg = reader.recv() if reader.poll(0.5) else None
-            if msg is None:
-                procs[rank].join(1.0)
-                code = procs[rank].exitcode
-                why = (f"was killed by signal {signal.Signals(-code).name}" if code and code < 0
-                       else f"exited with code {code}")
-                msg = ("error", f"the process {why} before returning a result\n", time.time(), "")
+            msg = _receive(procs[rank], readers[rank], obj)
             pending.discard(rank)
             if msg[0] == "ok":
-                results[rank], outputs[rank] = cloudpickle.loads(msg[1]), msg[2]
+                results[rank] = cloudpickle.loads(msg[1])
             else:
-                errors.append((msg[2], rank, msg[1], msg[3]))
-                # Other ranks usually fail a moment later because this one left; wait briefly so
-                # that the earliest failure, the cause, is the one reported.
-                error_deadline = error_deadline or time.monotonic() + 0.5
-    if errors:
-        _, rank, tb, out = min(errors)
-        raise RankFailed(rank, world_size, tb, out)
+                failures.append(ranklog.Failure(rank, msg[0], msg[1], msg[2]))
+                first_failure = first_failure or time.monotonic()
+    details = logs.tails() if captured else "(output went to the terminal: capture_output=False)"
+    if failures:
+        cause, others = ranklog.root_cause(failures)
+        consequences = {f.rank: f.last_line for f in others}
+        consequences.update({r: "was still running; the launcher stopped it" for r in pending})
+        raise RankFailed(cause.rank, world_size, cause.text, ranklog.printed(logs.output(cause.rank)),
+                         consequences, logs.dir, details)
     if pending:
-        raise LaunchTimeout(f"ranks {sorted(pending)} of {world_size} had not finished after "
-                            f"{timeout:g} s and were stopped. A rank waiting in a collective that "
-                            "another rank never reaches hangs like this; raise timeout= if the work "
-                            "is just slow")
-    return results, outputs
+        stacks = _stacks(procs, sorted(pending), logs)
+        where = "\n".join(f"  rank {r} {ranklog.where(s)}\n{ranklog.stack_lines(s)}"
+                          for r, s in stacks.items())
+        raise LaunchTimeout(
+            f"ranks {sorted(pending)} of {world_size} had not finished after {timeout:g} s and were "
+            "stopped. A rank waiting in a collective that another rank never reaches hangs like "
+            "this; raise timeout= if the work is just slow.\n\nWhere each unfinished rank was "
+            f"waiting (most recent call last):\n{where}\n\n{details}",
+            sorted(pending), stacks, logs.dir)
+    return results
+
+
+def _stacks(procs, ranks, logs) -> dict[int, str]:
+    """Ask each rank in ``ranks`` for its Python stack (faulthandler, on a signal) and read it."""
+    if ranklog.STACK_SIGNAL is None:
+        return {r: "" for r in ranks}
+    for r in ranks:
+        with contextlib.suppress(OSError):
+            os.kill(procs[r].pid, ranklog.STACK_SIGNAL)
+    logs.wait_for_stacks(ranks)
+    return {r: logs.stack_text(r) for r in ranks}

@@ -1,0 +1,226 @@
+"""What went wrong in a launch: each rank's full output, where each rank waited, which rank began it.
+
+When one of N ranks fails, the others usually fail too, a moment later and for a different reason:
+they were waiting for the rank that left, and their connection closed. Reporting whichever error
+arrived first then blames an innocent rank. Three pieces of evidence tell the story instead:
+
+* **Output, at the file-descriptor level.** Each rank's file descriptors 1 and 2 point at its own
+  log file, ``<build>/launch/<run>/rank<r>.log``, so the log holds what Python prints *and* what C++
+  (gloo, NCCL), the C library and subprocesses write. The caller replays it in rank order after a
+  good run (and deletes it); after a failure it quotes the last lines and keeps the file.
+* **Where a rank waits.** Each rank arms ``faulthandler`` on a signal (SIGUSR1). At a timeout the
+  caller sends it before stopping the ranks, and each unfinished rank writes its Python stack to
+  ``rank<r>.stack``: "rank 1 was in all_reduce, called from worker (line 4)".
+* **The root cause.** Each failure is ``(consequence, time)``: a rank killed by a signal or raising
+  its own error is a *cause* (``consequence = 0``); a rank whose error says a peer went away
+  (connection closed or reset, broken pipe) is a *consequence* (``consequence = 1``). The reported
+  rank is ``min`` over failures of ``(consequence, time)``: the earliest cause, whatever the order in
+  which the messages reached the caller.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from d2lpar.infra.paths import build_dir
+
+__all__ = ["LaunchError", "RankFailed", "LaunchTimeout", "RunLogs", "Failure", "root_cause", "where",
+           "printed", "stack_lines", "tidy", "RAISED_MARK", "STACK_SIGNAL", "TAIL_LINES"]
+
+TAIL_LINES = 20   # lines of each rank's output quoted in an error
+KEEP_RUNS = 20    # logs of failed runs kept under <build>/launch; older ones are deleted
+STACK_SIGNAL = getattr(signal, "SIGUSR1", None)  # None on Windows: no stacks at a timeout there
+
+# What a rank's error says when a *peer* went away (gloo, NCCL, the TCP store): a consequence.
+PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|ECONNRESET|"
+                       r"EPIPE|Socket closed|remote process exited|peer (?:has )?(?:closed|exited)|"
+                       r"communicator was aborted|Connection refused", re.IGNORECASE)
+RAISED_MARK = "[launch] this rank raised:"  # in a log: what the rank printed ends here
+FN_RETURNED = "fn returned"  # in a stack file: the rank waits in the launcher's closing barrier
+_runs = 0
+
+
+class LaunchError(RuntimeError):
+    """The ranks could not be started, or did not finish."""
+
+
+class RankFailed(LaunchError):
+    """A rank raised an exception or died.
+
+    ``.rank`` names the root cause, ``.remote_traceback`` is its traceback (or how it died),
+    ``.output`` its output, ``.consequences`` the other ranks' failures (rank -> last line), and
+    ``.logs`` the folder holding every rank's full output.
+    """
+
+    def __init__(self, rank: int, world_size: int, remote_traceback: str, output: str = "",
+                 consequences: dict[int, str] | None = None, logs=None, detail: str = ""):
+        self.rank, self.world_size = rank, world_size
+        self.remote_traceback, self.output = remote_traceback, output
+        self.consequences, self.logs = dict(consequences or {}), logs
+        text = f"rank {rank} of {world_size} failed:\n\n{remote_traceback.rstrip()}"
+        if self.consequences:
+            text += "\n\nThen, as a consequence:" + "".join(
+                f"\n  rank {r}: {why}" for r, why in sorted(self.consequences.items()))
+        if detail:
+            text += "\n\n" + detail
+        elif output.strip():
+            text += f"\n\nrank {rank} printed:\n{output.rstrip()}"
+        super().__init__(text)
+
+
+class LaunchTimeout(LaunchError):
+    """Some ranks had not finished when the timeout ran out; they were stopped.
+
+    ``.ranks`` lists them, ``.stacks`` maps each to its Python stack (faulthandler's dump, taken
+    just before the stop), ``.logs`` is the folder holding every rank's full output.
+    """
+
+    def __init__(self, message: str, ranks=(), stacks: dict[int, str] | None = None, logs=None):
+        self.ranks, self.stacks, self.logs = list(ranks), dict(stacks or {}), logs
+        super().__init__(message)
+
+
+# ------------------------------------------------------------------------------- in the caller
+
+class RunLogs:
+    """The folder of one launch: ``rank<r>.log`` (output) and ``rank<r>.stack`` (stack at a timeout)."""
+
+    def __init__(self, world_size: int):
+        global _runs
+        _runs += 1
+        self.world_size = world_size
+        self.dir = build_dir("launch", f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{_runs}")
+
+    def log(self, rank: int) -> Path:
+        return self.dir / f"rank{rank}.log"
+
+    def stack(self, rank: int) -> Path:
+        return self.dir / f"rank{rank}.stack"
+
+    def output(self, rank: int) -> str:
+        try:
+            return self.log(rank).read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def tail(self, rank: int, n: int = TAIL_LINES) -> str:
+        lines = printed(self.output(rank)).rstrip("\n").splitlines()
+        return "\n".join(lines[-n:]) if lines else ""
+
+    def stack_text(self, rank: int) -> str:
+        try:
+            return self.stack(rank).read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def wait_for_stacks(self, ranks, timeout: float = 1.0) -> None:
+        """Wait (briefly) until each rank in ``ranks`` has written its stack after the signal."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all("most recent call first" in self.stack_text(r) for r in ranks):
+                return
+            time.sleep(0.02)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def keep(self) -> None:
+        """Keep this run's logs; delete all but the newest KEEP_RUNS runs' folders."""
+        runs = sorted(self.dir.parent.iterdir(), key=lambda p: p.stat().st_mtime)
+        for old in runs[:-KEEP_RUNS]:
+            if old != self.dir:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def tails(self, ranks=None) -> str:
+        """The last lines of each rank's output, each headed by the path of its full log."""
+        parts = [f"Last lines of each rank's output (full logs in {self.dir}):"]
+        for r in range(self.world_size) if ranks is None else ranks:
+            text = self.tail(r)
+            body = "\n".join("    " + line for line in text.splitlines()) if text else "    (nothing)"
+            parts.append(f"  rank {r} ({self.log(r).name}):\n{body}")
+        return "\n".join(parts)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One rank's failure: it ``raised`` (``text`` is its traceback) or ``died`` (``text`` says how)."""
+    rank: int
+    kind: str      # "raised" or "died"
+    text: str
+    time: float    # when it raised (the rank's clock) or was seen dead (the caller's); same machine
+
+    @property
+    def consequence(self) -> int:
+        """1 when the error says a peer went away (it follows another rank's failure), else 0."""
+        return int(self.kind == "raised" and bool(PEER_GONE.search(self.last_line)))
+
+    @property
+    def last_line(self) -> str:
+        lines = [line for line in self.text.strip().splitlines() if line.strip()]
+        return tidy(lines[-1] if lines else self.text)
+
+
+def root_cause(failures: list[Failure]) -> tuple[Failure, list[Failure]]:
+    """The failure that began it, ``min((consequence, time))``, and the others in rank order."""
+    cause = min(failures, key=lambda f: (f.consequence, f.time, f.rank))
+    return cause, sorted((f for f in failures if f is not cause), key=lambda f: f.rank)
+
+
+_FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
+_LIBRARY = ("/torch/", "/multiprocessing/", "/cloudpickle/", "/threading.py", "/d2lpar/processes/")
+
+
+def _short(path: str) -> str:
+    for marker in ("site-packages/", "lib/python3"):
+        if marker in path:
+            return path.split(marker, 1)[1].lstrip("0123456789./")
+    return path
+
+
+def main_thread_stack(text: str) -> list[tuple[str, int, str]]:
+    """The frames ``(file, line, function)`` of the rank's main thread, innermost first."""
+    ident = re.search(r"^# main thread (0x[0-9a-f]+)", text, re.MULTILINE)
+    blocks = re.split(r"^(?=(?:Current thread|Thread) 0x)", text, flags=re.MULTILINE)
+    blocks = [b for b in blocks if "most recent call first" in b.split("\n", 1)[0]]
+    chosen = [b for b in blocks if ident and ident.group(1) in b.split("\n", 1)[0]]
+    block = chosen[0] if chosen else "".join(blocks[-1:])
+    return [(m["file"], int(m["line"]), m["func"]) for m in map(_FRAME.match, block.splitlines()) if m]
+
+
+def where(text: str) -> str:
+    """One phrase from a faulthandler dump: the innermost frame and, if apart, the calling code."""
+    frames = main_thread_stack(text)
+    if not frames:
+        return "gave no stack (it did not answer the signal)"
+    file, line, func = frames[0]
+    said = f"was in {func} ({_short(file)} line {line})"
+    mine = next((f for f in frames if not any(lib in f[0] for lib in _LIBRARY)), None)
+    if mine and mine != frames[0]:
+        said += f", called from {mine[2]} ({_short(mine[0])} line {mine[1]})"
+    if f"# {FN_RETURNED}" in text:
+        said += ": its fn had returned, it waited for the others in the launcher's closing barrier"
+    return said
+
+
+def stack_lines(text: str) -> str:
+    """The main thread's stack from the rank's code inwards, as ``file:line in function`` lines."""
+    frames = list(reversed(main_thread_stack(text)))
+    start = max((i + 1 for i, f in enumerate(frames) if "/d2lpar/processes/rank.py" in f[0]), default=0)
+    return "\n".join(f"      {_short(f)}:{n} in {fn}" for f, n, fn in frames[start:] or frames)
+
+
+def tidy(line: str) -> str:
+    """An error line without the library's source location and sign-off (gloo's "GLHF!")."""
+    line = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", line)
+    return re.sub(r"\s*GLHF!.*$", "", line).strip()
+
+
+def printed(log: str) -> str:
+    """What the rank printed: its log without the traceback the launcher appended."""
+    return log.split(RAISED_MARK, 1)[0]

@@ -1,0 +1,106 @@
+"""Layers whose backward takes device time: a calibrated wait that leaves the CPU free, as a GPU does.
+
+On a GPU, a layer's backward is a few kernels queued by the CPU and run by the GPU: while they run,
+the CPU thread (and the network, and the communication library's own thread) is free. That is what
+lets an all-reduce overlap backward. Simulated ranks on a small CPU cannot show it: two ranks and
+gloo's threads share two cores, so a real CPU backward takes the core that the all-reduce needs.
+
+``Timed(layer, seconds)`` keeps everything real (the forward, the gradients, every message) and
+adds, at the start of the layer's backward, a wait of ``seconds`` (``time.sleep``: the CPU is free,
+as while a GPU computes). Choose ``seconds`` from a measurement, e.g. proportional to the layer's
+FLOPs and scaled to the measured all-reduce time. With a ``Timeline``, each layer's backward (wait
+plus real gradient) is recorded as a span ``(lane, 'backward <name>', start, end)``:
+
+    out = Mark(after)( layer( Mark(before)(x) ) )   backward: wait, layer's gradients, end of span
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from d2lpar.infra.timing import Timeline
+
+__all__ = ["Timed", "timed_mlp", "set_backward_time", "record"]
+
+
+class _Start(torch.autograd.Function):
+    """Identity; its backward runs first among the layer's (it sees the output's gradient)."""
+
+    @staticmethod
+    def forward(ctx, y, owner):
+        ctx.owner = owner
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.owner._t0 = time.perf_counter()
+        if ctx.owner.seconds > 0:
+            time.sleep(ctx.owner.seconds)
+        return grad, None
+
+
+class _End(torch.autograd.Function):
+    """Identity on the layer's input; its backward runs once the layer's gradients are done."""
+
+    @staticmethod
+    def forward(ctx, x, anchor, owner):
+        ctx.owner = owner
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        o = ctx.owner
+        if o.timeline is not None and o._t0 is not None:
+            o.timeline.add(o.lane, f"backward {o.name}", o._t0, time.perf_counter())
+        o._t0 = None
+        return (grad if ctx.needs_input_grad[0] else None), None, None
+
+
+class Timed(nn.Module):
+    """``layer`` whose backward starts with a wait of ``seconds`` and is recorded on ``timeline``."""
+
+    def __init__(self, layer: nn.Module, seconds: float = 0.0, name: str = "layer"):
+        super().__init__()
+        if seconds < 0:
+            raise ValueError(f"seconds={seconds}: a wait cannot be negative")
+        self.layer, self.seconds, self.name = layer, seconds, name
+        self.timeline: Timeline | None = None
+        self.lane, self._t0 = "compute", None
+        # A leaf that needs a gradient, so that _End's backward runs even for the first layer,
+        # whose input needs none. It is not a parameter: nothing optimizes or sends it.
+        self._anchor = torch.zeros((), requires_grad=True)
+
+    def forward(self, x):
+        if not torch.is_grad_enabled():
+            return self.layer(x)
+        return _Start.apply(self.layer(_End.apply(x, self._anchor, self)), self)
+
+
+def timed_mlp(width: int = 512, depth: int = 8, classes: int = 10, seed: int = 0) -> nn.Sequential:
+    """``depth`` hidden ``Linear(width, width)`` + ReLU blocks and an output layer, each ``Timed``."""
+    torch.manual_seed(seed)
+    layers = [Timed(nn.Sequential(nn.Linear(width, width), nn.ReLU()), name=f"layer {i}")
+              for i in range(depth)]
+    return nn.Sequential(*layers, Timed(nn.Linear(width, classes), name="output"))
+
+
+def set_backward_time(model: nn.Module, total_s: float) -> list[float]:
+    """Share ``total_s`` seconds of backward among the model's ``Timed`` layers in proportion to
+    their parameters (a Linear layer's FLOPs are proportional to its weights); return the shares."""
+    timed = [m for m in model.modules() if isinstance(m, Timed)]
+    if not timed:
+        raise ValueError("the model has no Timed layers: wrap its layers in Timed(...) first")
+    sizes = [sum(p.numel() for p in m.parameters()) for m in timed]
+    for m, s in zip(timed, sizes):
+        m.seconds = total_s * s / sum(sizes)
+    return [m.seconds for m in timed]
+
+
+def record(model: nn.Module, timeline: Timeline | None, lane: str = "compute") -> None:
+    """Record the backward of every ``Timed`` layer of ``model`` on ``timeline`` (None: stop)."""
+    for m in model.modules():
+        if isinstance(m, Timed):
+            m.timeline, m.lane = timeline, lane

@@ -1,0 +1,161 @@
+"""Measuring DDP: how much of the all-reduce hides behind backward, and d2lpar's DDP against torch's.
+
+Three workers, each run on every rank by ``d2lpar.processes.launch`` (the bench and notebook 09 call
+the same ones, so they print the same kind of figures):
+
+* ``overlap_worker``: the four cases of ``d2lpar.comm.overlap.measure`` for one DDP step.
+  *compute* = forward + backward with no all-reduce (``no_sync``); *transfer* = the buckets'
+  all-reduces alone, back to back; *sequential* = backward, then the buckets all-reduced;
+  *overlapped* = the DDP step, each bucket's all-reduce started from the gradient hooks.
+  ``ratio = overlapped / max(compute, transfer)``: 1 is perfect overlap. With
+  ``device_time=True`` each layer's backward waits a calibrated time (``d2lpar.infra.device_time``)
+  so that backward takes ``compute_over_comm`` times the measured all-reduce time, while the CPU
+  stays free for gloo, as it would with a GPU computing; gradients and messages stay real.
+* ``versus_torch_worker``: step times (forward + backward + all-reduce) of d2lpar's DDP and
+  ``torch.nn.parallel.DistributedDataParallel`` on the same model, data and bucket cap, real compute,
+  in interleaved rounds, best of each; checks that both give the same gradients.
+* ``sweep_worker``: the device-time step for several bucket caps, and all-reduce times of several
+  sizes (to fit ``T(K) = a + K b`` for the cost model in ``d2lpar.cost.buckets``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from d2lpar.comm.overlap import measure
+from d2lpar.infra.device_time import record, set_backward_time, timed_mlp
+from d2lpar.infra.models import mlp
+from d2lpar.infra.timing import Timeline
+from d2lpar.strategies.ddp import DDP
+
+__all__ = ["overlap_worker", "versus_torch_worker", "sweep_worker", "model_and_data"]
+
+
+def model_and_data(width: int, depth: int, batch: int, seed: int = 0):
+    """The timed MLP (same on every rank) and this rank's batch."""
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    x, y = torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    return timed_mlp(width, depth, seed=seed), x, y
+
+
+def _time_comm(flats, rounds: int = 5) -> float:
+    """Median time to all-reduce the buckets back to back, the same on every rank (the max)."""
+    times = []
+    for i in range(rounds + 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for w in [dist.all_reduce(f, async_op=True) for f in flats]:
+            w.wait()
+        if i >= 2:  # the first rounds warm up
+            times.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(times)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def overlap_worker(cap_mb: float = 1.0, width: int = 512, depth: int = 8, batch: int = 16,
+                   compute_over_comm: float = 1.5, device_time: bool = True, repeats: int = 5) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, x, y = model_and_data(width, depth, batch)
+    ddp = DDP(model, cap_mb)
+    flats = [torch.zeros(sum(p.numel() for p in b)) for b in ddp.buckets]
+    comm_s = _time_comm(flats)
+    shares = set_backward_time(model, compute_over_comm * comm_s if device_time else 0.0)
+    lane_c, lane_n = f"rank {rank} compute", f"rank {rank} comm"
+    saved: dict = {}
+
+    def step(tl: Timeline) -> None:
+        record(model, tl, lane_c)
+        ddp.timeline = tl
+        for p in model.parameters():
+            p.grad = None
+        with tl.span(lane_c, "forward"):
+            loss = nn.functional.cross_entropy(ddp(x), y)
+        loss.backward()
+
+    def compute(tl: Timeline) -> None:
+        with ddp.no_sync():
+            step(tl)
+
+    def transfer(tl: Timeline) -> None:
+        t0 = time.perf_counter()
+        for w in [dist.all_reduce(f, async_op=True) for f in flats]:
+            w.wait()
+        tl.add(lane_n, "all buckets", t0, time.perf_counter())
+
+    def sequential(tl: Timeline) -> None:
+        compute(tl)
+        with torch.no_grad():
+            for k, b in enumerate(ddp.buckets):
+                with tl.span(lane_n, f"bucket {k}"):
+                    flat = torch.cat([p.grad.reshape(-1) for p in b]).mul_(1.0 / world)
+                    dist.all_reduce(flat)
+                for p, piece in zip(b, flat.split([p.numel() for p in b])):
+                    p.grad.copy_(piece.view_as(p))
+        saved["expected"] = [p.grad.clone() for p in model.parameters()]
+
+    def check() -> None:
+        for p, e in zip(model.parameters(), saved["expected"]):
+            if not torch.allclose(p.grad, e, rtol=1e-6, atol=1e-7):
+                raise AssertionError(f"rank {rank}: the overlapped step gave other gradients")
+
+    result = measure(f"rank {rank}: DDP step, {len(flats)} buckets", compute, transfer,
+                     sequential, overlapped=step, repeats=repeats, before=dist.barrier, check=check)
+    record(model, None)
+    ddp.timeline = None
+    return {"result": result, "comm_s": comm_s, "layer_s": shares, "bucket_bytes": ddp.bucket_bytes(),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+def versus_torch_worker(cap_mb: float = 1.0, width: int = 512, depth: int = 8, batch: int = 64,
+                        repeats: int = 10) -> dict:
+    """Best step time of d2lpar's DDP and torch's, real compute, interleaved; equal gradients."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    x, y = torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    ours, theirs = (mlp((width,) * (depth + 1) + (10,)) for _ in range(2))
+    wrapped = {"d2lpar": DDP(ours, cap_mb), "torch": TorchDDP(theirs, bucket_cap_mb=cap_mb)}
+    best = {k: float("inf") for k in wrapped}
+    for i in range(repeats + 2):  # two rounds warm up (torch rebuilds its buckets then)
+        for name in sorted(wrapped, reverse=i % 2 == 1):  # alternate who goes first
+            wrapped[name].zero_grad(set_to_none=True)
+            dist.barrier()
+            t0 = time.perf_counter()
+            nn.functional.cross_entropy(wrapped[name](x), y).backward()
+            if i >= 2:
+                best[name] = min(best[name], time.perf_counter() - t0)
+    same = all(torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+               for a, b in zip(ours.parameters(), theirs.parameters()))
+    return {**best, "same_gradients": same}
+
+
+def sweep_worker(caps_mb, width: int = 512, depth: int = 8, batch: int = 16,
+                 compute_over_comm: float = 1.5, repeats: int = 5,
+                 sizes=(4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)) -> dict:
+    """Backward + all-reduce time per cap (device time, best of ``repeats``), and T(K) measured."""
+    model, x, y = model_and_data(width, depth, batch)
+    total = sum(p.numel() for p in model.parameters())
+    backward_s = compute_over_comm * _time_comm([torch.zeros(total)])
+    rows = []
+    for cap in caps_mb:
+        model, _, _ = model_and_data(width, depth, batch)  # a fresh model: hooks are per DDP
+        shares = set_backward_time(model, backward_s)
+        ddp = DDP(model, cap)
+        best = float("inf")
+        for _ in range(repeats + 1):
+            model.zero_grad(set_to_none=True)
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss.backward()
+            best = min(best, time.perf_counter() - t0)
+        rows.append({"cap_mb": cap, "buckets": len(ddp.buckets), "step": best})
+    allreduce = [_time_comm([torch.zeros(s // 4)]) for s in sizes]
+    nbytes = [sum(p.numel() * p.element_size() for p in m.parameters()) for m in model]
+    return {"rows": rows, "sizes": list(sizes), "allreduce": allreduce, "backward_s": backward_s,
+            "layers": list(zip(shares, nbytes))[::-1]}  # in the order backward reaches them

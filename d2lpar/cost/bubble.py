@@ -1,0 +1,66 @@
+"""The pipeline bubble and activation memory, as formulas (the simulator and the executor check them).
+
+Two definitions of "the bubble" are in use; this module gives both and the course says which it uses.
+
+* **Idle fraction of the step** (what a timeline shows): a rank is busy m (tF + tB) in a step of
+  (m + p - 1)(tF + tB) for GPipe and 1F1B with equal stage times, so it idles
+
+      (p - 1) / (m + p - 1).
+
+* **Megatron's bubble ratio** (Narayanan et al. 2021): bubble time over ideal time, (p - 1) / m.
+  The two agree for m >> p and differ a lot for small m (m = 1: 1 - 1/p against p - 1).
+
+Interleaving v stages per rank cuts each stage's time by v but not the number of stages to fill, so
+the bubble is divided by v: (p - 1) / (v m + p - 1), ratio (p - 1) / (v m). ZB-H1 splits the backward
+into I (input gradient, on the critical path) and W (weight gradient, off it): the bubble becomes
+(p - 1)(tF + tI - tW) in a step of m (tF + tI + tW) plus the bubble (m >= p); with tF = tI = tW,
+(p - 1) / (3 m + p - 1), a third of 1F1B's bubble time. With m < p the last Ws cannot hide and the
+step is longer by (p - m) units.
+
+Activation memory, in micro-batches held per stage s: GPipe m; 1F1B min(p - s, m); ZB-H1 min(p, m)
+on every stage (until W).
+"""
+
+from __future__ import annotations
+
+__all__ = ["idle_fraction", "megatron_ratio", "peak_microbatches", "FORMULAS"]
+
+FORMULAS = {
+    "naive": "(p - 1) / p",
+    "GPipe": "(p - 1) / (m + p - 1)",
+    "1F1B": "(p - 1) / (m + p - 1)",
+    "interleaved 1F1B": "(p - 1) / (v m + p - 1)",
+    "ZB-H1": "(p - 1 + max(0, p - m)) / (3 m + p - 1 + max(0, p - m))",
+}
+
+
+def idle_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """Each rank's idle fraction of a step, equal stage times (ZB-H1: tF = tI = tW; others: any tF, tB)."""
+    if schedule == "naive":
+        m = 1
+    if schedule in ("naive", "GPipe", "1F1B"):
+        return (p - 1) / (m + p - 1)
+    if schedule == "interleaved 1F1B":
+        return (p - 1) / (v * m + p - 1)
+    if schedule == "ZB-H1":
+        extra = max(0, p - m)
+        return (p - 1 + extra) / (3 * m + p - 1 + extra)
+    raise ValueError(f"no formula for {schedule!r}: choose one of {list(FORMULAS)}")
+
+
+def megatron_ratio(p: int, m: int, v: int = 1) -> float:
+    """Bubble time over ideal compute time, (p - 1) / (v m)."""
+    return (p - 1) / (v * m)
+
+
+def peak_microbatches(schedule: str, p: int, m: int) -> list[int]:
+    """Per stage, the most micro-batches whose activations it holds at once."""
+    if schedule == "naive":
+        return [1] * p
+    if schedule == "GPipe":
+        return [m] * p
+    if schedule == "1F1B":
+        return [min(p - s, m) for s in range(p)]
+    if schedule == "ZB-H1":
+        return [min(p, m)] * p
+    raise ValueError(f"no activation formula for {schedule!r}: choose GPipe, 1F1B, ZB-H1 or naive")

@@ -1,0 +1,281 @@
+"""Run a pipeline schedule on real ranks: activations go forward, gradients come back, by send/recv.
+
+Each rank holds its stages (stage s on rank s % p) and walks its list of actions from
+``d2lpar.strategies.pipeline``:
+
+* ``sF m``: receive micro-batch m's input from stage s-1 (stage 0 slices the batch), run the stage,
+  send the output to stage s+1 (the last stage computes the loss instead);
+* ``sB m``: receive the gradient of the output from stage s+1 (the last stage starts from its loss),
+  run the backward, send the gradient of the input to stage s-1;
+* ``sI m`` / ``sW m`` (zero-bubble): the same backward in two passes, the input gradient first (stage
+  s-1 waits for it), the weight gradients later. The stage runs layer by layer with the tensors
+  between layers detached, so that W computes each layer's weight gradient from the gradient that I
+  left at its output, without redoing I's work.
+
+**Loss and gradient scale.** The loss is the mean over the whole batch of B examples. Micro-batch k
+has n_k examples and a loss ``loss_fn`` that is a mean over them, so the stage backpropagates
+``loss_k * n_k / B``; summed over micro-batches this is the full-batch mean (with equal micro-batches
+it is sum_k loss_k / m). Gradients accumulate in ``.grad`` over the micro-batches and equal a single
+process's gradient of the full batch: not m times it (dividing by m is what such code forgets).
+
+Messages are ``isend`` (never blocks) and ``recv`` (blocks until the data is there), each with a tag
+naming (stage, micro-batch, direction), so messages between two ranks can arrive in any order.
+Receive buffers need shapes: ``check_stages`` runs the stages on *meta* tensors in the caller (no
+compute, no memory), so a stage whose output does not fit the next stage is reported before any rank
+starts, with both stages and both shapes. A rank that raises ends the whole run: the launcher stops
+the others (no rank is left in a ``recv``) and raises ``RankFailed`` naming the rank.
+
+``wait={"F": tF, "B": tB, ...}`` makes each action last at least that long (the real computation,
+then a sleep for the rest): a stand-in for a device that computes while its CPU thread waits, so that
+four ranks on two cores show the timeline four devices would. Messages and their order stay real.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from d2lpar.infra.activations import SavedTensors
+from d2lpar.infra.data import chunk_bounds
+from d2lpar.infra.timing import Span, Timeline
+from d2lpar.processes.launch import launch
+from d2lpar.strategies.pipeline import Schedule, ScheduleError, split_layers, validate
+
+__all__ = ["split_model", "check_stages", "run_schedule", "run_pipeline", "PipelineResult",
+           "idle_fractions"]
+
+
+def split_model(model: nn.Sequential, stages: int) -> list[nn.Sequential]:
+    """Cut a Sequential into ``stages`` consecutive parts of near-equal layer counts (sharing parameters)."""
+    layers = list(model)
+    return [nn.Sequential(*layers[a:b]) for a, b in split_layers(len(layers), stages)]
+
+
+def _expects(module: nn.Module) -> str:
+    for sub in module.modules():
+        for attr in ("in_features", "in_channels", "normalized_shape", "num_features"):
+            if hasattr(sub, attr):
+                return f"{attr}={getattr(sub, attr)} ({type(sub).__name__})"
+    return f"its first layer ({type(module).__name__})"
+
+
+def check_stages(stages: list[nn.Module], X: torch.Tensor, microbatches: int) -> list[list[tuple]]:
+    """Run the stages one after the other on meta tensors; return each stage's output (shape, dtype)
+    per micro-batch. A stage that cannot take its predecessor's output raises ValueError naming both."""
+    if len(X) < microbatches:
+        raise ValueError(f"a batch of {len(X)} cannot be cut into {microbatches} micro-batches: use "
+                         f"at most {len(X)} micro-batches or a larger batch")
+    shapes: list[list[tuple]] = [[] for _ in stages]
+    sizes = [hi - lo for lo, hi in chunk_bounds(len(X), microbatches)]
+    for size in sorted(set(sizes), key=sizes.index):   # at most two sizes: run each once
+        h = torch.empty((size,) + tuple(X.shape[1:]), dtype=X.dtype, device="meta")
+        for s, stage in enumerate(stages):
+            state = {k: torch.empty_like(v, device="meta")
+                     for k, v in list(stage.named_parameters()) + list(stage.named_buffers())}
+            try:
+                out = torch.func.functional_call(stage, state, (h,))
+            except Exception as e:
+                where = (f"stage {s - 1} outputs shape {tuple(h.shape)}, but stage {s} expects "
+                         if s else f"the input has shape {tuple(h.shape)}, but stage 0 expects ")
+                raise ValueError(f"{where}{_expects(stage)}: {type(e).__name__}: {e}. Cut the model "
+                                 f"so that each stage's output fits the next stage's input") from None
+            shapes[s].append((tuple(out.shape), out.dtype))
+            h = out
+    by_size = [dict(zip(sorted(set(sizes), key=sizes.index), col)) for col in shapes]
+    return [[col[n] for n in sizes] for col in by_size]
+
+
+def idle_fractions(timeline: Timeline, ranks: int) -> list[float]:
+    """Per rank, 1 - (time in actions) / (first start to last end of the whole step)."""
+    span = timeline.makespan()
+    return [1.0 - timeline.busy(f"rank {r}") / span for r in range(ranks)]
+
+
+class _Stage:
+    """One stage on this rank: its module and what each micro-batch left for its backward."""
+
+    def __init__(self, module: nn.Module, split: bool):
+        self.module, self.split = module, split
+        self.layers = list(module) if split and isinstance(module, nn.Sequential) else [module]
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.saved: dict[int, dict] = {}
+        self.tracker = SavedTensors(module)
+        self.mb_bytes = 0
+
+    def forward(self, mb: int, x: torch.Tensor, loss_fn=None, target=None, weight: float = 1.0):
+        before = self.tracker.current
+        with self.tracker:
+            if not self.split:
+                out = self.module(x)
+                loss = loss_fn(out, target) * weight if loss_fn is not None else None
+                self.saved[mb] = {"x": x, "out": out if loss is None else loss}
+            else:   # layer by layer, detached between layers: I and W can then be run apart
+                pieces, h = [], x
+                for layer in self.layers + ([lambda o: loss_fn(o, target) * weight] if loss_fn else []):
+                    inp = h.detach().requires_grad_(h.requires_grad)
+                    h = layer(inp)
+                    if h.requires_grad:
+                        pieces.append((inp, h))
+                out = h if loss_fn is None else None
+                loss = h if loss_fn is not None else None
+                self.saved[mb] = {"x": x, "pieces": pieces}
+        self.mb_bytes = self.mb_bytes or self.tracker.current - before
+        return out, loss
+
+    def backward(self, mb: int, grad: torch.Tensor | None, kind: str):
+        """B: the whole backward; I: input gradient only; W: weight gradients. Returns the input's grad."""
+        saved = self.saved[mb]
+        if not self.split:
+            out = saved.pop("out")
+            torch.autograd.backward(out, grad)
+            del self.saved[mb]
+            return saved["x"].grad
+        if kind == "I":
+            g, todo = grad, []
+            for inp, out in reversed(saved["pieces"]):
+                g = torch.ones_like(out) if g is None else g
+                todo.append((out, g))
+                g = torch.autograd.grad(out, inp, g, retain_graph=True)[0] if inp.requires_grad else None
+            saved["todo"] = todo
+            del saved["pieces"]
+            return g
+        outs, grads = zip(*self.saved.pop(mb)["todo"]) if saved["todo"] else ((), ())
+        if self.params and outs:
+            torch.autograd.backward(list(outs), list(grads), inputs=self.params)
+        return None
+
+
+def run_schedule(schedule: Schedule, modules: dict[int, nn.Module], X: torch.Tensor, y: torch.Tensor,
+                 loss_fn, shapes: list[list[tuple]], wait: dict[str, float] | None = None) -> dict:
+    """This rank's part of one training step (call inside a launched rank; gradients land in .grad).
+
+    Returns this rank's spans, the loss of the micro-batches its last stage saw, and per stage the
+    peak bytes of saved activations and the bytes of one micro-batch's activations.
+    """
+    p, m, S = schedule.ranks, schedule.microbatches, schedule.stages
+    if len(shapes) != S or any(len(col) != m for col in shapes):
+        raise ValueError(f"shapes must come from check_stages(stages, X, {m}) for this schedule's "
+                         f"{S} stages and {m} micro-batches")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    stages = {s: _Stage(modules[s], schedule.split) for s in schedule.stages_of(rank)}
+    bounds = chunk_bounds(len(X), m)
+    device = next(iter(modules[schedule.stages_of(rank)[0]].parameters())).device
+    local: dict[tuple, torch.Tensor] = {}   # messages between stages on this same rank
+    works, spans, loss = [], [], 0.0
+
+    def send(t: torch.Tensor, to_stage: int, tag: int) -> None:
+        if schedule.rank_of(to_stage) == rank:
+            local[tag] = t
+        else:
+            works.append((dist.isend(t.contiguous(), schedule.rank_of(to_stage), tag=tag), t))
+
+    def recv(shape, dtype, from_stage: int, tag: int) -> torch.Tensor:
+        if schedule.rank_of(from_stage) == rank:
+            return local.pop(tag)
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(buf, schedule.rank_of(from_stage), tag=tag)
+        return buf
+
+    for a in schedule.order[rank]:
+        s, mb, st = a.stage, a.mb, stages[a.stage]
+        lo, hi = bounds[mb]
+        fwd_tag, bwd_tag = 2 * (s * m + mb), 2 * ((s - 1) * m + mb) + 1
+        if a.kind == "F":
+            x = X[lo:hi].to(device) if s == 0 else recv(*shapes[s - 1][mb], s - 1, 2 * ((s - 1) * m + mb))
+            if s > 0:
+                x.requires_grad_()
+        elif a.kind in "BI":
+            g = None if s == S - 1 else recv(*shapes[s][mb], s + 1, 2 * (s * m + mb) + 1)
+        t0 = time.perf_counter()
+        if a.kind == "F":
+            last = s == S - 1
+            out, l = st.forward(mb, x, loss_fn if last else None, y[lo:hi].to(device) if last else None,
+                                (hi - lo) / len(X))
+            if last:
+                loss += l.item()
+            else:
+                send(out.detach(), s + 1, fwd_tag)
+        else:
+            gx = st.backward(mb, g if a.kind != "W" else None, a.kind)
+            if a.kind != "W" and s > 0:
+                send(gx, s - 1, bwd_tag)
+        if wait and wait.get(a.kind):
+            time.sleep(max(0.0, wait[a.kind] - (time.perf_counter() - t0)))
+        spans.append((f"rank {rank}", str(a), t0, time.perf_counter()))
+    for w, _ in works:
+        w.wait()
+    return {"spans": spans, "loss": loss,
+            "peak": {s: st.tracker.peak for s, st in stages.items()},
+            "mb_bytes": {s: st.mb_bytes for s, st in stages.items()}}
+
+
+def _worker(schedule, stages, batches, loss_fn, lr, shapes, wait):
+    rank = dist.get_rank()
+    mine = {s: stages[s] for s in schedule.stages_of(rank)}
+    if torch.cuda.is_available() and dist.get_backend() != "gloo":   # NCCL: a GPU per rank
+        mine = {s: mod.to(f"cuda:{rank}") for s, mod in mine.items()}
+    params = [q for mod in mine.values() for q in mod.parameters()]
+    opt = torch.optim.SGD(params, lr=lr) if lr else None
+    losses = []
+    for X, y in batches:
+        for q in params:
+            q.grad = None
+        out = run_schedule(schedule, mine, X, y, loss_fn, shapes, wait)
+        losses.append(out["loss"])
+        grads = {s: {k: q.grad.detach().cpu().clone() for k, q in mod.named_parameters()
+                     if q.grad is not None} for s, mod in mine.items()}
+        if opt:
+            opt.step()
+    out["losses"] = losses
+    out["grads"] = grads
+    out["params"] = {s: {k: v.detach().cpu() for k, v in mod.state_dict().items()} for s, mod in mine.items()}
+    return out
+
+
+@dataclass
+class PipelineResult:
+    schedule: Schedule
+    params: list[dict]          # per stage, its state dict after the last step
+    grads: list[dict]           # per stage, the gradients of the last step
+    losses: list[float]         # per step, the full-batch mean loss
+    timeline: Timeline          # the last step's actions, lanes 'rank r'
+    peak_bytes: list[int]       # per stage, most bytes of saved activations held at once (last step)
+    mb_bytes: list[int]         # per stage, bytes saved by one micro-batch's forward
+    idle: list[float] = field(default_factory=list)   # per rank, measured idle fraction (last step)
+
+    @property
+    def peak_microbatches(self) -> list[float]:
+        return [pk / b if b else 0.0 for pk, b in zip(self.peak_bytes, self.mb_bytes)]
+
+
+def run_pipeline(schedule: Schedule, stages: list[nn.Module], batches, loss_fn=nn.functional.cross_entropy,
+                 lr: float = 0.0, wait: dict[str, float] | None = None, timeout: float = 60.0) -> PipelineResult:
+    """Train ``stages`` on ``batches`` (a list of (X, y)) with the schedule on ``schedule.ranks`` ranks.
+
+    Checks the schedule and the stages' shapes here, before any rank starts; ``lr=0`` computes the
+    gradients without updating. The caller's stages are not changed.
+    """
+    validate(schedule)
+    if len(stages) != schedule.stages:
+        raise ScheduleError(f"{schedule.name} with p={schedule.ranks}, v={schedule.stages_per_rank} "
+                            f"needs {schedule.stages} stages, got {len(stages)}: cut the model with "
+                            f"split_model(model, {schedule.stages})")
+    batches = list(batches)
+    shapes = check_stages(stages, batches[0][0], schedule.microbatches)
+    results = launch(_worker, schedule.ranks, schedule, stages, batches, loss_fn, lr, shapes, wait,
+                     timeout=timeout)
+    merged = {k: {} for k in ("params", "grads", "peak", "mb_bytes")}
+    for res in results:
+        for k in merged:
+            merged[k].update(res[k])
+    S = schedule.stages
+    last = results[schedule.rank_of(S - 1)]
+    timeline = Timeline(Span(*sp) for res in results for sp in res["spans"])
+    return PipelineResult(schedule, [merged["params"][s] for s in range(S)],
+                          [merged["grads"][s] for s in range(S)], last["losses"], timeline,
+                          [merged["peak"][s] for s in range(S)], [merged["mb_bytes"][s] for s in range(S)],
+                          idle_fractions(timeline, schedule.ranks))

@@ -1,0 +1,114 @@
+"""The pipeline executor on real gloo ranks: gradients and trained parameters equal one process for
+every schedule on 2, 3 and 4 ranks; activation peaks equal the formulas; bad input fails early."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from d2lpar.cost import bubble
+from d2lpar.processes.launch import RankFailed, launch
+from d2lpar.strategies import pipeline as P
+from d2lpar.strategies.pipeline_exec import check_stages, run_pipeline, run_schedule, split_model
+
+NAMES = ["naive", "GPipe", "1F1B", "interleaved 1F1B", "ZB-H1"]
+
+
+def model(seed=0):
+    """Nine Linear layers (one frozen) with ReLUs between them: cut anywhere, stages differ in size."""
+    torch.manual_seed(seed)
+    layers = [m for _ in range(8) for m in (nn.Linear(12, 12), nn.ReLU())] + [nn.Linear(12, 5)]
+    layers[4].weight.requires_grad_(False)
+    return nn.Sequential(*layers)
+
+
+def schedules(p, m):
+    return [P.make_schedule(n, p, m, 2 if n == "interleaved 1F1B" else None) for n in NAMES]
+
+
+def _all_schedules(p, m, X, y, shapes):
+    rank, out = dist.get_rank(), {}
+    for s in schedules(p, m):
+        stages = split_model(model(), s.stages)
+        mine = {k: stages[k] for k in s.stages_of(rank)}
+        res = run_schedule(s, mine, X, y, nn.functional.cross_entropy, shapes[s.name])
+        out[s.name] = {"grads": {k: [q.grad for q in st.parameters() if q.requires_grad]
+                                 for k, st in mine.items()},
+                       "peak": res["peak"], "mb_bytes": res["mb_bytes"]}
+    return out
+
+
+@pytest.mark.parametrize("p,B,m", [(2, 22, 4), (3, 20, 6), (4, 16, 4)])
+def test_every_schedule_gives_the_single_process_gradient(p, B, m):
+    X, y = torch.randn(B, 12, generator=torch.Generator().manual_seed(p)), torch.arange(B) % 5
+    ref = model()
+    nn.functional.cross_entropy(ref(X), y).backward()   # mean over the whole batch
+    expected = [q.grad for q in ref.parameters() if q.requires_grad]
+    assert all(g.abs().sum() > 0 for g in expected)      # a zero gradient could not tell schedules apart
+    shapes = {s.name: check_stages(split_model(model(), s.stages), X, s.microbatches) for s in schedules(p, m)}
+    results = launch(_all_schedules, p, p, m, X, y, shapes, timeout=60)
+    for s in schedules(p, m):
+        got = {}
+        for res in results:
+            got.update(res[s.name]["grads"])
+        flat = [g for k in range(s.stages) for g in got[k]]
+        assert len(flat) == len(expected), s.name
+        for a, b in zip(flat, expected):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=f"{s.name} on {p} ranks")
+        if p == 4 and s.name != "interleaved 1F1B":   # equal micro-batches: peaks in micro-batches
+            peak = {k: v for res in results for k, v in res[s.name]["peak"].items()}
+            per_mb = {k: v for res in results for k, v in res[s.name]["mb_bytes"].items()}
+            held = [peak[k] / per_mb[k] for k in range(p)]
+            assert held == bubble.peak_microbatches(s.name, p, 1 if s.name == "naive" else m), (s.name, held)
+
+
+def test_training_steps_equal_one_process():
+    batches = [(torch.randn(12, 12, generator=torch.Generator().manual_seed(i)), torch.arange(12) % 5)
+               for i in range(3)]
+    ref = model()
+    start = [q.detach().clone() for q in ref.parameters()]
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for X, y in batches:
+        opt.zero_grad()
+        nn.functional.cross_entropy(ref(X), y).backward()
+        opt.step()
+    res = run_pipeline(P.zb_h1(3, 3), split_model(model(), 3), batches, lr=0.1)
+    got = [res.params[k][name] for k, st in enumerate(split_model(model(), 3)) for name, _ in st.named_parameters()]
+    moved = [not torch.equal(a, b) for a, b in zip(start, ref.parameters())]
+    assert sum(moved) == len(start) - 1                  # all but the frozen weight moved ...
+    for a, b in zip(got, ref.parameters()):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-7)   # ... and agree
+    assert len(res.losses) == 3 and res.losses[0] > res.losses[-1]
+
+
+def test_mismatched_stages_fail_before_any_rank_starts():
+    stages = [nn.Sequential(nn.Linear(12, 8), nn.ReLU()), nn.Sequential(nn.Linear(6, 5))]
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=r"stage 0 outputs shape \(3, 8\), but stage 1 expects in_features=6"):
+        run_pipeline(P.gpipe(2, 4), stages, [(torch.randn(12, 12), torch.arange(12) % 5)])
+    assert time.perf_counter() - t0 < 1.0
+    with pytest.raises(P.ScheduleError, match="needs 4 stages, got 2"):
+        run_pipeline(P.interleaved_1f1b(2, 2, 2), stages, [(torch.randn(12, 12), torch.arange(12) % 5)])
+
+
+class Boom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.calls = nn.Linear(12, 12), 0
+
+    def forward(self, x):
+        self.calls += x.device.type != "meta"    # the caller's shape check runs it on meta tensors
+        if self.calls == 3:
+            raise RuntimeError("stage 1 broke on its third micro-batch")
+        return self.lin(x)
+
+
+def test_a_rank_that_raises_ends_the_run_and_is_named():
+    stages = [nn.Linear(12, 12), Boom(), nn.Linear(12, 12), nn.Linear(12, 5)]
+    t0 = time.perf_counter()
+    with pytest.raises(RankFailed, match="rank 1 of 4 failed") as e:
+        run_pipeline(P.one_f_one_b(4, 6), stages, [(torch.randn(12, 12), torch.arange(12) % 5)], timeout=30)
+    assert "third micro-batch" in str(e.value)
+    assert time.perf_counter() - t0 < 15   # the others, waiting in recv, were stopped, not timed out

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from d2lpar.comm.collectives import ByteCounter, ring_all_gather, ring_reduce_scatter
+from d2lpar.infra.adamw import AdamW
 
 __all__ = ["STAGES", "shard_size", "padded_numel", "model_state_bytes", "sent_bytes", "ZeroAdamW"]
 
@@ -168,8 +169,8 @@ class ZeroAdamW:
             if stage == 3:
                 u.module.register_forward_pre_hook(lambda m, a, u=u: self._before_forward(u))
                 u.module.register_forward_hook(lambda m, a, out, u=u: self._after_forward(u, out))
-        self.opt = torch.optim.AdamW([u.shard for u in self.units], lr=lr, betas=betas, eps=eps,
-                                     weight_decay=weight_decay)
+        self.opt = AdamW([u.shard for u in self.units], lr=lr, betas=betas, eps=eps,
+                         weight_decay=weight_decay)  # elementwise: it runs on shards unchanged
 
     # ------------------------------------------------------------------------------ construction
 
@@ -320,9 +321,7 @@ class ZeroAdamW:
         if self.stage == 3:
             params += sum(u.shard.nbytes for u in self.units)
         grads = sum((u.grad_full if self.stage == 1 else u.shard.grad).nbytes for u in self.units)
-        optimizer = sum(t.nbytes for state in self.opt.state.values() for t in state.values()
-                        if isinstance(t, torch.Tensor) and t.dim() > 0)  # not the 0-d step count
-        return {"params": params, "grads": grads, "optimizer": optimizer}
+        return {"params": params, "grads": grads, "optimizer": self.opt.state_bytes()}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state, on every rank (a collective with stage 3: call it on all ranks)."""

@@ -281,24 +281,34 @@ def _with_marker(marker: str) -> list[int]:
 
 
 @needs_proc
-def test_no_process_outlives_a_caller_killed_hard(tmp_path):
-    # The caller starts 4 ranks that sleep, and is SIGKILLed (a kernel crash, the OOM killer).
-    script = tmp_path / "caller.py"
+def test_a_script_without_a_main_guard_then_killed_hard(tmp_path):
+    # 1. Ranks get the worker by value, so they never re-run the calling script: no
+    #    `if __name__ == "__main__":` is needed, and the script does not launch itself again.
+    # 2. The caller then starts 4 ranks that sleep and is SIGKILLed (a kernel crash, the OOM
+    #    killer): within 5 s no forkserver nor rank may be left.
+    script = tmp_path / "no_guard.py"
     script.write_text(textwrap.dedent(f"""
         import pathlib, time
+        import torch, torch.distributed as dist
         from d2lpar.processes.launch import launch
         def worker():
-            import torch.distributed as dist
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            return t.item()
+        print("results", launch(worker, 2), flush=True)
+        def sleeper():
             pathlib.Path({str(tmp_path)!r}, f"up{{dist.get_rank()}}").touch()
             time.sleep(60)
-        launch(worker, 4, timeout=100)
+        launch(sleeper, 4, timeout=100)
     """))
     marker = uuid.uuid4().hex
-    caller = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.DEVNULL,
-                              env={**os.environ, "D2LPAR_TEST_MARK": marker})
+    with open(tmp_path / "out.txt", "w") as out:
+        caller = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=out,
+                                  stderr=subprocess.STDOUT, env={**os.environ, "D2LPAR_TEST_MARK": marker})
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while len(list(tmp_path.glob("up*"))) < 4 and time.monotonic() < deadline:
+            assert caller.poll() is None, (tmp_path / "out.txt").read_text()
             time.sleep(0.05)
         assert len(list(tmp_path.glob("up*"))) == 4, "the ranks did not start"
         assert len(_with_marker(marker)) >= 6  # caller, forkserver, 4 ranks (+ resource tracker)
@@ -309,21 +319,4 @@ def test_no_process_outlives_a_caller_killed_hard(tmp_path):
     while _with_marker(marker) and time.monotonic() - killed < 5:
         time.sleep(0.05)
     assert _with_marker(marker) == [], "a forkserver or rank outlived its caller by 5 s"
-
-
-def test_a_script_without_a_main_guard(tmp_path):
-    # Ranks get the worker by value, so they never re-run the calling script: no
-    # `if __name__ == "__main__":` is needed, and the script does not launch itself again.
-    script = tmp_path / "no_guard.py"
-    script.write_text(textwrap.dedent("""
-        import torch, torch.distributed as dist
-        from d2lpar.processes.launch import launch
-        def worker():
-            t = torch.ones(1)
-            dist.all_reduce(t)
-            return t.item()
-        print("results", launch(worker, 2))
-    """))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.count("results [2.0, 2.0]") == 1
+    assert (tmp_path / "out.txt").read_text().count("results [2.0, 2.0]") == 1

@@ -2,6 +2,10 @@
 
 Each run starts N ranks, joins a gloo group, does one all-reduce, and returns. The last line states
 the ratio d2lpar / mp.spawn for N = 4.
+
+``--soak K`` instead launches 4 ranks K times in a row from this one process and prints the open file
+descriptors and live child processes before and after, and the seconds taken: a launcher that leaks
+shows it as growth.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-from d2lpar.processes.commands import free_port
+from d2lpar.processes.commands import descendants, free_port, open_fds
 from d2lpar.processes.launch import launch
 
 
@@ -53,12 +57,33 @@ def time_spawn(n: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def soak(launches: int, n: int = 4) -> dict:
+    """Launch ``n`` ranks ``launches`` times; fds and children before/after, seconds in all."""
+    launch(_allreduce, n)  # one-time state (forkserver, resource tracker) before counting
+    before = (open_fds(), len(descendants() or ()))
+    t0 = time.perf_counter()
+    for _ in range(launches):
+        assert launch(_allreduce, n) == [float(n)] * n
+    seconds = time.perf_counter() - t0
+    after = (open_fds(), len(descendants() or ()))
+    return {"launches": launches, "ranks": n, "fds": (before[0], after[0]),
+            "children": (before[1], after[1]), "seconds": seconds}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m d2lpar bench launch", description=__doc__)
     parser.add_argument("--ranks", default="2,4,8", help="world sizes, comma-separated")
     parser.add_argument("--repeats", type=int, default=3, help="launches per figure (median)")
     parser.add_argument("--spawn-repeats", type=int, default=1, help="mp.spawn runs per figure")
+    parser.add_argument("--soak", type=int, default=0, metavar="K",
+                        help="launch 4 ranks K times; print fds, children and seconds")
     args = parser.parse_args(argv)
+    if args.soak:
+        r = soak(args.soak)
+        print(f"{r['launches']} launches of {r['ranks']} ranks in {r['seconds']:.1f} s "
+              f"({r['seconds'] / r['launches']:.3f} s each); open fds {r['fds'][0]} -> {r['fds'][1]}; "
+              f"child processes {r['children'][0]} -> {r['children'][1]}")
+        return 0 if r["fds"][0] == r["fds"][1] and r["children"][0] == r["children"][1] else 1
     sizes = [int(n) for n in args.ranks.split(",")]
     t0 = time.perf_counter()
     launch(_allreduce, 2)  # the first call starts the forkserver and imports torch there

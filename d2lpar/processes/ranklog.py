@@ -95,7 +95,7 @@ class RunLogs:
         global _runs
         _runs += 1
         self.world_size = world_size
-        self.dir = build_dir("launch", f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{_runs}")
+        self.dir = build_dir("launch", f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{_runs:04d}")
 
     def log(self, rank: int) -> Path:
         return self.dir / f"rank{rank}.log"
@@ -132,7 +132,7 @@ class RunLogs:
 
     def keep(self) -> None:
         """Keep this run's logs; delete all but the newest KEEP_RUNS runs' folders."""
-        runs = sorted(self.dir.parent.iterdir(), key=lambda p: p.stat().st_mtime)
+        runs = sorted(self.dir.parent.iterdir(), key=lambda p: (p.stat().st_mtime, p.name))
         for old in runs[:-KEEP_RUNS]:
             if old != self.dir:
                 shutil.rmtree(old, ignore_errors=True)

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "CommLog", "count_comms", "record_comm", "tp_world", "require_divisible", "check_same_shape",
+__all__ = ["Comm", "CommLog", "count_comms", "record_comm", "torch_counts", "tp_world", "require_divisible", "check_same_shape",
            "copy_to_region", "reduce_from_region", "gather_from_region", "scatter_to_region",
            "all_gather_seq", "reduce_scatter_seq", "shard", "RING_FACTOR"]
 
@@ -103,6 +103,25 @@ def record_comm(kind: str, phase: str, nbytes: int, ranks: int) -> None:
         log.comms.append(Comm(kind, phase, int(nbytes), ranks))
 
 
+_TORCH_NAMES = {"all_reduce": "all_reduce", "allreduce_": "all_reduce",
+                "all_gather_into_tensor": "all_gather", "allgather_": "all_gather",
+                "allgather_into_tensor_coalesced": "all_gather", "_allgather_base_": "all_gather",
+                "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+                "_reduce_scatter_base_": "reduce_scatter"}
+
+
+def torch_counts(mode) -> dict[str, int]:
+    """A ``CommDebugMode``'s counts under our names (it sees DTensor's functional collectives and
+    plain ``dist`` calls alike: ``c10d_functional.all_reduce`` and ``c10d.allreduce_`` are both
+    ``all_reduce``)."""
+    out: dict[str, int] = {}
+    for op, n in mode.get_comm_counts().items():
+        name = str(op).split(".")[-1].split("'")[0]
+        kind = _TORCH_NAMES.get(name, name)
+        out[kind] = out.get(kind, 0) + n
+    return dict(sorted(out.items()))
+
+
 # --------------------------------------------------------------------------- groups and errors
 
 def tp_world(group=None) -> tuple[int, int]:
@@ -119,7 +138,7 @@ def require_divisible(what: str, value: int, ranks: int) -> None:
         divisors = [d for d in range(1, value + 1) if value % d == 0]
         near = sorted({value - value % ranks, value - value % ranks + ranks} - {0})
         raise ValueError(f"{what} = {value} is not divisible by the {ranks} tensor-parallel ranks: "
-                         f"use a {what} that {ranks} divides (such as {' or '.join(map(str, near))}), "
+                         f"make {what} a multiple of {ranks} (such as {' or '.join(map(str, near))}), "
                          f"or a number of ranks that divides {value} ({', '.join(map(str, divisors))})")
 
 

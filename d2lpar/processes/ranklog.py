@@ -176,6 +176,13 @@ _FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*
 _LIBRARY = ("/torch/", "/multiprocessing/", "/cloudpickle/", "/threading.py", "/d2lpar/processes/")
 
 
+def _at(path: str, line: int) -> str:
+    """``file line N``, with library paths shortened; IPython's file for a cell is a notebook cell."""
+    if re.search(r"ipykernel_\d+[/\\]\d+\.py$", path):
+        return f"notebook cell, line {line}"
+    return f"{_short(path)} line {line}"
+
+
 def _short(path: str) -> str:
     for marker in ("site-packages/", "lib/python3"):
         if marker in path:
@@ -199,10 +206,10 @@ def where(text: str) -> str:
     if not frames:
         return "gave no stack (it did not answer the signal)"
     file, line, func = frames[0]
-    said = f"was in {func} ({_short(file)} line {line})"
+    said = f"was in {func} ({_at(file, line)})"
     mine = next((f for f in frames if not any(lib in f[0] for lib in _LIBRARY)), None)
     if mine and mine != frames[0]:
-        said += f", called from {mine[2]} ({_short(mine[0])} line {mine[1]})"
+        said += f", called from {mine[2]} ({_at(mine[0], mine[1])})"
     if f"# {FN_RETURNED}" in text:
         said += ": its fn had returned, it waited for the others in the launcher's closing barrier"
     return said
@@ -212,7 +219,7 @@ def stack_lines(text: str) -> str:
     """The main thread's stack from the rank's code inwards, as ``file:line in function`` lines."""
     frames = list(reversed(main_thread_stack(text)))
     start = max((i + 1 for i, f in enumerate(frames) if "/d2lpar/processes/rank.py" in f[0]), default=0)
-    return "\n".join(f"      {_short(f)}:{n} in {fn}" for f, n, fn in frames[start:] or frames)
+    return "\n".join(f"      {_at(f, n)} in {fn}" for f, n, fn in frames[start:] or frames)
 
 
 def tidy(line: str) -> str:

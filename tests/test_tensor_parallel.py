@@ -207,3 +207,13 @@ def test_formulas_agree_where_they_must():
             == tp_cost.comm_formula("layer", 2, 8, 16, 4)["forward"]["sent"])
     with pytest.raises(ValueError, match="unknown block"):
         tp_cost.comm_formula("conv", 1, 1, 1, 2)
+
+
+def test_bench_report_ends_with_the_worst_time_ratio():
+    from d2lpar.bench import tp as bench
+    rows = [{"block": "mlp", "ours": 0.011, "torch": 0.010, "sent": 1024.0, "formula": 1024.0},
+            {"block": "attn", "ours": 0.026, "torch": 0.020, "sent": 2048.0, "formula": 2048.0}]
+    lines = bench.report(rows, 2, 1, 8, 16, 4, 64)
+    assert lines[-1] == ("worst d2lpar / parallelize_module step time ratio: 1.30 (misses the "
+                         "target <= 1.2)")
+    assert lines[2].split()[-1] == "1.000"

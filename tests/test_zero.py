@@ -115,9 +115,3 @@ def test_bad_input_is_named():
         Z.ZeroAdamW(nn.Linear(2, 2), 1)
     with pytest.raises(ValueError, match="stage"):
         Z.sent_bytes(5, 10, 2)
-
-
-def test_the_paper_table_from_the_formulas():
-    psi, n = 7.5e9, 64
-    gb = [sum(Z.model_state_bytes(s, psi, n, 2, 2, 12).values()) / 1e9 for s in (0, 1, 2, 3)]
-    assert [f"{x:.1f}" for x in gb] == ["120.0", "31.4", "16.6", "1.9"]

@@ -95,17 +95,21 @@ def _baseline(name):
 _runs: dict[int, list] = {}
 
 
+def _everything(names, with_torch):
+    return _worker(names), (_torch_counts() if with_torch else None)
+
+
 def _run(t):
-    """Every case on t ranks, once per test session (both tests below read it)."""
+    """Every case on t ranks (on 2, PyTorch's too), once per session: the tests below read it."""
     if t not in _runs:
-        _runs[t] = launch(_worker, t, list(_cases()), timeout=120)
+        _runs[t] = launch(_everything, t, list(_cases()), t == 2, timeout=120)
     return _runs[t]
 
 
 @pytest.mark.parametrize("t", [2, 4])
 def test_every_layer_and_block_equals_one_device(t):
     names = list(_cases())
-    results = _run(t)
+    results = [r[0] for r in _run(t)]
     for name in names:
         start, y, dx, after = _baseline(name)
         sp = _cases()[name][3]
@@ -122,7 +126,7 @@ def test_every_layer_and_block_equals_one_device(t):
 
 @pytest.mark.parametrize("t", [2, 4])
 def test_collectives_and_activations_equal_the_formulas(t):
-    results = _run(t)[0]
+    results = _run(t)[0][0]
     for name in ["mlp", "attn", "layer", "mlp_sp", "layer_sp"]:
         block, sp = name.removesuffix("_sp"), name.endswith("_sp")
         assert results[name]["comms"] == tp_cost.comm_formula(block, B_, S, D, t, sp), name
@@ -159,7 +163,7 @@ def _torch_counts():
 
 
 def test_our_counts_equal_comm_debug_mode():
-    for name, (ours, theirs) in launch(_torch_counts, 2, timeout=120)[0].items():
+    for name, (ours, theirs) in _run(2)[0][1].items():
         for phase in ("forward", "backward"):
             assert ours[phase]["counts"] == theirs[phase], (name, phase)
 

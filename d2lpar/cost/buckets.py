@@ -72,11 +72,14 @@ def bucket_schedule(layers: Sequence[tuple[float, int]], cap: int,
 
 
 def best_cap(layers, allreduce_s, caps: Sequence[int] | None = None) -> tuple[int, BucketRun]:
-    """The cap (bytes) among ``caps`` (default: powers of two) with the shortest predicted step."""
+    """The cap (bytes) among ``caps`` (default: powers of two from 1 KiB) with the shortest
+    predicted step; among caps that tie, the largest."""
     total = sum(b for _, b in layers)
     caps = caps or [2 ** k for k in range(10, max(11, math.ceil(math.log2(total)) + 1))]
-    runs = [(bucket_schedule(layers, c, allreduce_s).step, c) for c in caps]
-    step, cap = min(runs)
+    steps = {c: bucket_schedule(layers, c, allreduce_s).step for c in caps}
+    fastest = min(steps.values())
+    # Caps that cut the same buckets tie: report the largest (the fewest buckets for that time).
+    cap = max(c for c, t in steps.items() if t <= fastest * (1 + 1e-9))
     return cap, bucket_schedule(layers, cap, allreduce_s)
 
 

@@ -20,7 +20,6 @@ the same ones, so they print the same kind of figures):
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -44,7 +43,8 @@ def model_and_data(width: int, depth: int, batch: int, seed: int = 0):
 
 
 def _time_comm(flats, rounds: int = 5) -> float:
-    """Median time to all-reduce the buckets back to back, the same on every rank (the max)."""
+    """Best time to all-reduce the buckets back to back (as ``measure`` keeps the best of each
+    case), the same on every rank (the larger of the ranks' figures)."""
     times = []
     for i in range(rounds + 2):
         dist.barrier()
@@ -53,12 +53,12 @@ def _time_comm(flats, rounds: int = 5) -> float:
             w.wait()
         if i >= 2:  # the first rounds warm up
             times.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(times)])
+    t = torch.tensor([min(times)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
 
-def overlap_worker(cap_mb: float = 1.0, width: int = 512, depth: int = 8, batch: int = 16,
+def overlap_worker(cap_mb: float = 1.0, width: int = 512, depth: int = 8, batch: int = 8,
                    compute_over_comm: float = 1.5, device_time: bool = True, repeats: int = 5) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, x, y = model_and_data(width, depth, batch)
@@ -134,10 +134,11 @@ def versus_torch_worker(cap_mb: float = 1.0, width: int = 512, depth: int = 8, b
     return {**best, "same_gradients": same}
 
 
-def sweep_worker(caps_mb, width: int = 512, depth: int = 8, batch: int = 16,
+def sweep_worker(caps_mb, width: int = 512, depth: int = 8, batch: int = 8,
                  compute_over_comm: float = 1.5, repeats: int = 5,
                  sizes=(4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)) -> dict:
-    """Backward + all-reduce time per cap (device time, best of ``repeats``), and T(K) measured."""
+    """Backward + all-reduce time per cap (device time, best of ``repeats``), backward alone, and
+    T(K) measured for several sizes."""
     model, x, y = model_and_data(width, depth, batch)
     total = sum(p.numel() for p in model.parameters())
     backward_s = compute_over_comm * _time_comm([torch.zeros(total)])
@@ -155,7 +156,17 @@ def sweep_worker(caps_mb, width: int = 512, depth: int = 8, batch: int = 16,
             loss.backward()
             best = min(best, time.perf_counter() - t0)
         rows.append({"cap_mb": cap, "buckets": len(ddp.buckets), "step": best})
+    compute = float("inf")  # backward alone: device time plus the real work, no all-reduce
+    for _ in range(repeats + 1):
+        model.zero_grad(set_to_none=True)
+        with ddp.no_sync():
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss.backward()
+        compute = min(compute, time.perf_counter() - t0)
     allreduce = [_time_comm([torch.zeros(s // 4)]) for s in sizes]
     nbytes = [sum(p.numel() * p.element_size() for p in m.parameters()) for m in model]
     return {"rows": rows, "sizes": list(sizes), "allreduce": allreduce, "backward_s": backward_s,
+            "compute": compute,
             "layers": list(zip(shares, nbytes))[::-1]}  # in the order backward reaches them

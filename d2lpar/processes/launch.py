@@ -130,10 +130,6 @@ def _stop(procs) -> None:
             p.join()
 
 
-_OPTIONS = ("backend", "timeout", "threads_per_rank", "capture_output", "quiet",
-            "init_process_group", "master_addr", "master_port", "env", "fn_kwargs")
-
-
 def _check_arguments(fn, world_size, timeout, env, args, kwargs) -> None:
     """Refuse, in the caller and before any process starts, what would only fail in the ranks."""
     if not callable(fn):
@@ -155,7 +151,9 @@ def _check_arguments(fn, world_size, timeout, env, args, kwargs) -> None:
     except TypeError as e:
         name = getattr(fn, "__qualname__", repr(fn))
         said = f"{name}{sig} cannot take the arguments given to launch(): {e}."
-        clash = [p for p in sig.parameters if p in _OPTIONS and p not in kwargs]
+        options = [p.name for p in inspect.signature(launch).parameters.values()
+                   if p.kind is p.KEYWORD_ONLY]
+        clash = [p for p in sig.parameters if p in options and f"'{p}'" in str(e)]
         if clash:
             said += (f" `{clash[0]}` is also an option of launch(): `{clash[0]}=` given to launch() "
                      f"is the launcher's, not {name}'s. Pass {name}'s positionally or with "
@@ -246,7 +244,10 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
 
 def _receive(proc, reader, obj) -> tuple:
     """The rank's message, or ("died", how, when) if it ended without one."""
-    if reader.poll() or (obj is not reader and proc.join(0.5) is None and reader.poll(0.5)):
+    if obj is not reader and not reader.poll():  # it ended: a message may still be on its way
+        proc.join(0.5)
+        reader.poll(0.5)
+    if reader.poll():
         try:
             return reader.recv()
         except (EOFError, OSError):

@@ -1,4 +1,4 @@
-"""Tensor (channel) parallelism: one layer's weights split over t ranks, and the four collectives it needs.
+"""Tensor (channel) parallelism: one layer's weights split over t ranks, and the collectives it needs.
 
 A linear layer ``Y = X W^T`` with W of shape (out, in) can be cut two ways.
 

@@ -48,16 +48,16 @@ def exercise_1():
             t_alone = max(_best(lambda: alone(d0, x0)), _best(lambda: alone(d1, x1)))
             t_both = _best(both)
             f0, f1 = out[-1][:2]
-        with torch_threads(1):
-            assert all(torch.equal(a, b) for a, b in zip(f0.result()[0], run(x0)))
-            assert all(torch.equal(a, b) for a, b in zip(f1.result()[0], run(x1)))
+        with torch_threads(1):  # two threads may sum in another order: equal up to rounding
+            assert all(torch.allclose(a, b) for a, b in zip(f0.result()[0], run(x0)))
+            assert all(torch.allclose(a, b) for a, b in zip(f1.result()[0], run(x1)))
         assert f0.result()[1] == f1.result()[1] == threads
         ratios[threads] = t_both / t_alone
         print(f"{threads} torch thread(s) per device on {cores()} core(s): alone {t_alone * 1e3:.1f} ms, "
               f"both {t_both * 1e3:.1f} ms, both / max(alone) = {ratios[threads]:.2f}")
     print("with 2 threads each job alone already spreads over the cores: the pair takes turns, and the "
           "ratio moves from about 1 towards 2 (on an idle 2-core machine)")
-    assert ratios[2] > 1.0
+    assert ratios[2] > 0.9, "two jobs on all the cores cannot beat one (10% left for timing noise)"
 
 
 class TwoTower(nn.Module):

@@ -95,6 +95,15 @@ def idle_fractions(timeline: Timeline, ranks: int) -> list[float]:
     return [1.0 - timeline.busy(f"rank {r}") / span for r in range(ranks)]
 
 
+def _dot(outs, grads) -> torch.Tensor:
+    """sum_k <out_k, grad_k>: its gradient with respect to each out_k is exactly grad_k.
+
+    ``torch.autograd.backward(out, grad)`` computes the same, but in torch 2.14 its first call with an
+    explicit gradient imports sympy (1.5-4 s per fresh rank here); a scalar's backward does not.
+    """
+    return sum((o * g).sum() for o, g in zip(outs, grads))
+
+
 class _Stage:
     """One stage on this rank: its module and what each micro-batch left for its backward."""
 
@@ -131,7 +140,7 @@ class _Stage:
         saved = self.saved[mb]
         if not self.split:
             out = saved.pop("out")
-            torch.autograd.backward(out, grad)
+            (out if grad is None else _dot([out], [grad])).backward()
             del self.saved[mb]
             return saved["x"].grad
         if kind == "I":
@@ -139,13 +148,13 @@ class _Stage:
             for inp, out in reversed(saved["pieces"]):
                 g = torch.ones_like(out) if g is None else g
                 todo.append((out, g))
-                g = torch.autograd.grad(out, inp, g, retain_graph=True)[0] if inp.requires_grad else None
+                g = torch.autograd.grad(_dot([out], [g]), inp, retain_graph=True)[0] if inp.requires_grad else None
             saved["todo"] = todo
             del saved["pieces"]
             return g
         outs, grads = zip(*self.saved.pop(mb)["todo"]) if saved["todo"] else ((), ())
         if self.params and outs:
-            torch.autograd.backward(list(outs), list(grads), inputs=self.params)
+            _dot(outs, grads).backward(inputs=self.params)
         return None
 
 
@@ -195,17 +204,18 @@ def run_schedule(schedule: Schedule, modules: dict[int, nn.Module], X: torch.Ten
             last = s == S - 1
             out, l = st.forward(mb, x, loss_fn if last else None, y[lo:hi].to(device) if last else None,
                                 (hi - lo) / len(X))
+        else:
+            gx = st.backward(mb, g if a.kind != "W" else None, a.kind)
+        if wait and wait.get(a.kind):   # the stand-in device finishes, then the result can be sent
+            time.sleep(max(0.0, wait[a.kind] - (time.perf_counter() - t0)))
+        spans.append((f"rank {rank}", str(a), t0, time.perf_counter()))
+        if a.kind == "F":
             if last:
                 loss += l.item()
             else:
                 send(out.detach(), s + 1, fwd_tag)
-        else:
-            gx = st.backward(mb, g if a.kind != "W" else None, a.kind)
-            if a.kind != "W" and s > 0:
-                send(gx, s - 1, bwd_tag)
-        if wait and wait.get(a.kind):
-            time.sleep(max(0.0, wait[a.kind] - (time.perf_counter() - t0)))
-        spans.append((f"rank {rank}", str(a), t0, time.perf_counter()))
+        elif a.kind != "W" and s > 0:
+            send(gx, s - 1, bwd_tag)
     for w, _ in works:
         w.wait()
     return {"spans": spans, "loss": loss,

@@ -290,7 +290,9 @@ def _collect(procs, readers, world_size: int, timeout: float, logs, captured: bo
     if failures:
         cause, others = ranklog.root_cause(failures)
         consequences = {f.rank: f.last_line for f in others}
-        consequences.update({r: "was still running; the launcher stopped it" for r in pending})
+        stacks = _stacks(procs, sorted(pending), logs)
+        consequences.update({r: f"was still running and {ranklog.where(stacks[r])}; the launcher "
+                                "stopped it" for r in pending})
         raise RankFailed(cause.rank, world_size, cause.text, ranklog.printed(logs.output(cause.rank)),
                          consequences, logs.dir, details)
     if pending:

@@ -204,6 +204,8 @@ def where(text: str) -> str:
     """One phrase from a faulthandler dump: the innermost frame and, if apart, the calling code."""
     frames = main_thread_stack(text)
     if not frames:
+        if STACK_SIGNAL is None:
+            return "gave no stack (this platform has no SIGUSR1 to ask for one)"
         return "gave no stack (it did not answer the signal)"
     file, line, func = frames[0]
     said = f"was in {func} ({_at(file, line)})"

@@ -32,12 +32,10 @@ network between nodes. ``tp_step_time`` sets the two beside each other for a des
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from d2lpar.cost.costmodel import MACHINES, Link, Machine, allreduce_time
+from d2lpar.cost.costmodel import MACHINES, Gpu, Link, Machine, allreduce_time
 
 __all__ = ["REGIONS", "comm_formula", "dp_grad_sent", "activation_bytes", "korthikanti_bytes",
-           "layer_flops", "GPU", "GPUS", "ACROSS_NODES", "tp_step_time"]
+           "layer_flops", "A100_BF16", "ACROSS_NODES", "tp_step_time"]
 
 REGIONS = {"mlp": 1, "attn": 1, "layer": 2}
 
@@ -95,24 +93,18 @@ def layer_flops(b: int, s: int, d: int, hidden: int) -> float:
     return 8 * b * s * d * d + 4 * b * s * s * d + 4 * b * s * d * hidden
 
 
-@dataclass(frozen=True)
-class GPU:
-    """A described GPU: dense 16-bit peak and the fraction of it large matmuls reach."""
-    name: str
-    peak_flops: float
-    efficiency: float = 0.6
-
-
-GPUS = {"A100": GPU("A100 (bf16 dense)", 312e12), "H100": GPU("H100 SXM (bf16 dense)", 989e12)}
+# Round figures, stated: an A100 peaks at 312 TFLOP/s in dense BF16 and large matrix products
+# sustain about 60% of it; eight of them share an NVSwitch (costmodel's "8 GPUs, NVSwitch").
+A100_BF16 = Gpu("A100, BF16", 0.6 * 312e12, 10e-6)
 
 # Between nodes each GPU has its own 200 Gb/s InfiniBand port: about 20 GB/s in practice.
 ACROSS_NODES = Machine("8 nodes, InfiniBand 200 Gb/s per GPU", 8, Link(20e9, 10e-6), 500e9)
 
 
-def tp_step_time(gpu: GPU, b: int, s: int, d: int, hidden: int, t: int,
-                 machine: Machine | None = None, element_size: int = 2) -> dict[str, float]:
-    """Seconds per training step of one layer on t GPUs: compute, and its four all-reduces."""
+def tp_step_time(b: int, s: int, d: int, hidden: int, t: int, machine: Machine | None = None,
+                 gpu: Gpu = A100_BF16, element_size: int = 2) -> dict[str, float]:
+    """Seconds per training step of one layer on t GPUs: its matmuls, and its four all-reduces."""
     machine = machine or MACHINES["8 GPUs, NVSwitch"]
-    compute = 3 * layer_flops(b, s, d, hidden) / t / (gpu.peak_flops * gpu.efficiency)
+    compute = gpu.time(3 * layer_flops(b, s, d, hidden) / t)
     comm = 4 * allreduce_time("ring", element_size * b * s * d, t, machine)
     return {"compute": compute, "comm": comm, "comm_share": comm / (compute + comm)}

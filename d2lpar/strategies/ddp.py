@@ -188,6 +188,11 @@ class DDP(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         if not self._step_syncs:
             return
+        if id(p) in self._ready:
+            name = next(n for n, q in zip(self.names, self.params) if q is p)
+            raise RuntimeError(f"parameter {name!r} got a second gradient "
+                               "after one forward: run forward before each backward (accumulate "
+                               "with no_sync)")
         k = self.bucket_of[id(p)]
         self._ready.add(id(p))
         self._arrived[k] += 1

@@ -23,11 +23,10 @@ flat buffer, and afterwards the buffer's storage is resized to 0. Views of it, i
 autograd saved, stay valid and see the data again after the next gather (the trick FSDP uses), so
 at most one unit is gathered at a time (two with ``prefetch``), at the price of a third collective.
 
-Layout: a unit's trainable parameters are flattened into one buffer padded to N S elements,
-S = ceil(Psi_unit / N), so that every shard has S elements whatever Psi and N (3 ranks too); the
-padding stays zero through AdamW. The course's ring leaves rank r with chunk (r+1) mod N after a
-reduce-scatter, so that is the shard rank r owns. The formulas take the padded Psi; they equal the
-unpadded ones when N divides every unit. Frozen parameters are not sharded (every rank keeps them).
+Layout (``d2lpar.strategies.flat_shards``): a unit's trainable parameters are views into one flat
+buffer padded to N S elements, S = ceil(Psi_unit / N), so every shard has S elements whatever Psi and
+N (3 ranks too); the padding stays zero through AdamW. The formulas take the padded Psi; they equal
+the unpadded ones when N divides every unit. Frozen parameters are not sharded (every rank keeps them).
 """
 
 from __future__ import annotations
@@ -38,20 +37,11 @@ from torch import nn
 
 from d2lpar.comm.collectives import ByteCounter, ring_all_gather, ring_reduce_scatter
 from d2lpar.infra.adamw import AdamW
+from d2lpar.strategies.flat_shards import FlatUnit, padded_numel, shard_size, split_units
 
 __all__ = ["STAGES", "shard_size", "padded_numel", "model_state_bytes", "sent_bytes", "ZeroAdamW"]
 
 STAGES = (1, 2, 3)
-
-
-def shard_size(numel: int, n: int) -> int:
-    """Elements per shard when ``numel`` elements are cut into n equal, padded shards: ceil(numel/n)."""
-    return -(-numel // n)
-
-
-def padded_numel(unit_numels, n: int) -> int:
-    """Psi as ZeRO stores it: every unit padded to a multiple of n."""
-    return sum(n * shard_size(u, n) for u in unit_numels)
 
 
 def model_state_bytes(stage: int, numel: float, n: int, param_bytes: float = 4,
@@ -71,50 +61,6 @@ def sent_bytes(stage: int, numel: float, n: int, param_bytes: float = 4,
         raise ValueError(f"stage must be 0 (plain data parallelism), 1, 2 or 3, got {stage!r}")
     halves = 3 if stage == 3 and reshard_after_forward else 2
     return halves * (n - 1) / n * param_bytes * numel
-
-
-class _Unit:
-    """A group of parameters sharded together: one flat padded buffer, one shard of it per rank."""
-
-    def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter], n: int, rank: int,
-                 reshard: bool):
-        self.name, self.module, self.params, self.reshard = name, module, params, reshard
-        self.numel = sum(p.numel() for p in params)
-        self.S = shard_size(self.numel, n)
-        self.padded = n * self.S
-        self.lo = (rank + 1) % n * self.S  # the ring finishes chunk (rank+1) mod N on this rank
-        first = params[0]
-        self.full = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
-        self.views, self.offsets, start = [], [], 0
-        for p in params:
-            self.views.append(self.full[start:start + p.numel()].view_as(p))
-            self.offsets.append(start)
-            start += p.numel()
-        self.gathered, self.ready = True, 0
-
-    def own(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self.lo:self.lo + self.S]
-
-    @property
-    def nbytes(self) -> int:
-        return self.padded * self.full.element_size()
-
-
-def _units(module: nn.Module, trainable: list[nn.Parameter]):
-    """Default units: each child that owns trainable parameters; shared and direct ones go to the root."""
-    owners: dict[int, set] = {}
-    children = list(module.named_children())
-    for cname, child in children:
-        for p in child.parameters():
-            owners.setdefault(id(p), set()).add(cname)
-    units, placed = [], set()
-    for cname, child in children:
-        ps = [p for p in child.parameters() if p.requires_grad and owners[id(p)] == {cname}]
-        if ps:
-            units.append((cname, child, ps))
-            placed.update(id(p) for p in ps)
-    rest = [p for p in trainable if id(p) not in placed]
-    return ([("(root)", module, rest)] if rest else []) + units
 
 
 class ZeroAdamW:
@@ -143,8 +89,8 @@ class ZeroAdamW:
         if len({(p.dtype, p.device) for p in trainable}) > 1:
             raise ValueError("ZeroAdamW needs all trainable parameters on one device with one dtype")
         self._agree_on_parameters()
-        self.units = [_Unit(name, mod, ps, self.n, self.rank, reshard_after_forward and name != "(root)")
-                      for name, mod, ps in _units(model, trainable)]
+        self.units = [FlatUnit(name, mod, ps, self.n, self.rank, reshard_after_forward and name != "(root)")
+                      for name, mod, ps in split_units(model, trainable)]
         self.live = self.peak_gathered = self.peak_grad = 0
         for u in self.units:
             with torch.no_grad():
@@ -186,7 +132,7 @@ class ZeroAdamW:
                                  f"(name, shape, dtype) {diff}: build the same model on every rank "
                                  "before ZeroAdamW")
 
-    def _attach_grad_views(self, u: _Unit) -> None:
+    def _attach_grad_views(self, u: FlatUnit) -> None:
         """Stage 1: each .grad is a view into the flat gradient buffer; autograd adds in place."""
         u.grad_views = [u.grad_full[o:o + p.numel()].view_as(p)
                         for p, o in zip(u.params, u.offsets)]
@@ -195,7 +141,7 @@ class ZeroAdamW:
 
     # ------------------------------------------------------------------------- gather and free
 
-    def _gather(self, u: _Unit, counter: ByteCounter | None = None) -> None:
+    def _gather(self, u: FlatUnit, counter: ByteCounter | None = None) -> None:
         if u.gathered:
             return
         u.full.untyped_storage().resize_(u.nbytes)
@@ -206,23 +152,23 @@ class ZeroAdamW:
         self.live += u.nbytes
         self.peak_gathered = max(self.peak_gathered, self.live)
 
-    def _free(self, u: _Unit) -> None:
+    def _free(self, u: FlatUnit) -> None:
         if u.gathered:
             u.full.untyped_storage().resize_(0)
             u.gathered = False
             self.live = max(0, self.live - u.nbytes)
 
-    def _neighbour(self, u: _Unit, step: int):
+    def _neighbour(self, u: FlatUnit, step: int):
         i = self.units.index(u) + step
         if 0 <= i < len(self.units) and self.units[i].reshard:
             return self.units[i]
 
-    def _before_forward(self, u: _Unit) -> None:
+    def _before_forward(self, u: FlatUnit) -> None:
         self._gather(u)
         if self.prefetch and (nxt := self._neighbour(u, +1)) is not None:
             self._gather(nxt)
 
-    def _after_forward(self, u: _Unit, out) -> None:
+    def _after_forward(self, u: FlatUnit, out) -> None:
         if u.reshard:
             self._free(u)
         if torch.is_grad_enabled():
@@ -231,19 +177,19 @@ class ZeroAdamW:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(lambda g, u=u: self._before_backward(u))
 
-    def _before_backward(self, u: _Unit) -> None:
+    def _before_backward(self, u: FlatUnit) -> None:
         self._gather(u)
         if self.prefetch and (prev := self._neighbour(u, -1)) is not None:
             self._gather(prev)
 
     # ------------------------------------------------------------------------------- gradients
 
-    def _grad_ready(self, u: _Unit) -> None:
+    def _grad_ready(self, u: FlatUnit) -> None:
         u.ready += 1
         if u.ready == len(u.params):
             self._reduce_unit(u)
 
-    def _reduce_unit(self, u: _Unit) -> None:
+    def _reduce_unit(self, u: FlatUnit) -> None:
         """Stages 2 and 3: reduce-scatter this unit's gradient now, keep the shard, drop the rest."""
         flat = torch.zeros(u.padded, dtype=u.full.dtype, device=u.full.device)
         start = 0

@@ -1,0 +1,74 @@
+"""Flat padded shards: a group of parameters as views into one buffer that N ranks can split evenly.
+
+ZeRO and FSDP shard *units* (usually one layer each). A unit's parameters, of Psi_unit elements in
+all, are copied into one flat buffer of N S elements, S = ceil(Psi_unit / N), and become views into
+it; the last N S - Psi_unit elements are padding, zero. Every rank's shard then has exactly S elements
+whatever Psi and N, so reduce-scatter and all-gather move equal chunks, and a collective on the flat
+buffer is one message per step instead of one per tensor. The course's ring leaves rank r with chunk
+(r+1) mod N after a reduce-scatter, so that is the shard rank r owns: ``own(flat)`` is its slice.
+
+``split_units`` chooses the units: each child module that owns trainable parameters; parameters
+shared between children (tied weights) and the root's own go into a root unit, which stays gathered
+through the whole forward and backward (FSDP2 does the same for its root).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["shard_size", "padded_numel", "FlatUnit", "split_units"]
+
+
+def shard_size(numel: int, n: int) -> int:
+    """Elements per shard when ``numel`` elements are cut into n equal, padded shards: ceil(numel/n)."""
+    return -(-numel // n)
+
+
+def padded_numel(unit_numels, n: int) -> int:
+    """Psi as ZeRO stores it: every unit padded to a multiple of n."""
+    return sum(n * shard_size(u, n) for u in unit_numels)
+
+
+class FlatUnit:
+    """A group of parameters sharded together: one flat padded buffer, one shard of it per rank."""
+
+    def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter], n: int, rank: int,
+                 reshard: bool):
+        self.name, self.module, self.params, self.reshard = name, module, params, reshard
+        self.numel = sum(p.numel() for p in params)
+        self.S = shard_size(self.numel, n)
+        self.padded = n * self.S
+        self.lo = (rank + 1) % n * self.S  # the ring finishes chunk (rank+1) mod N on this rank
+        first = params[0]
+        self.full = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
+        self.views, self.offsets, start = [], [], 0
+        for p in params:
+            self.views.append(self.full[start:start + p.numel()].view_as(p))
+            self.offsets.append(start)
+            start += p.numel()
+        self.gathered, self.ready = True, 0
+
+    def own(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.lo:self.lo + self.S]
+
+    @property
+    def nbytes(self) -> int:
+        return self.padded * self.full.element_size()
+
+
+def split_units(module: nn.Module, trainable: list[nn.Parameter]):
+    """Default units: each child that owns trainable parameters; shared and direct ones go to the root."""
+    owners: dict[int, set] = {}
+    children = list(module.named_children())
+    for cname, child in children:
+        for p in child.parameters():
+            owners.setdefault(id(p), set()).add(cname)
+    units, placed = [], set()
+    for cname, child in children:
+        ps = [p for p in child.parameters() if p.requires_grad and owners[id(p)] == {cname}]
+        if ps:
+            units.append((cname, child, ps))
+            placed.update(id(p) for p in ps)
+    rest = [p for p in trainable if id(p) not in placed]
+    return ([("(root)", module, rest)] if rest else []) + units

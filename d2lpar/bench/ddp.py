@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     print(f"step, real compute (batch 64 per rank): d2lpar DDP {vs['d2lpar'] * 1e3:.1f} ms, "
           f"torch DDP {vs['torch'] * 1e3:.1f} ms, same gradients")
 
-    ov = launch(overlap_worker, args.ranks, cap_mb=args.cap_mb, repeats=max(3, args.repeats // 2),
+    ov = launch(overlap_worker, args.ranks, cap_mb=args.cap_mb, repeats=args.repeats,
                 timeout=300, **shape)[0]
     print(f"overlap, device time (backward = 1.5 x the measured all-reduce, {len(ov['bucket_bytes'])} "
           "buckets):")

@@ -131,6 +131,9 @@ class DDP(nn.Module):
         sizes = [p.numel() * p.element_size() for p in self.params]
         self.buckets = [[self.params[i] for i in b] for b in assign_buckets(sizes, cap)]
         self.bucket_of = {id(p): k for k, b in enumerate(self.buckets) for p in b}
+        # One flat buffer per bucket, allocated once (a fresh one per step would cost page faults).
+        self.flats = [torch.empty(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
+                      for b in self.buckets]
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         self._sync, self._sync_buffers_next, self._step_syncs, self._backwards = True, True, True, 0
@@ -206,11 +209,13 @@ class DDP(nn.Module):
             self._next += 1
 
     def _launch(self, k: int) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[k]]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        if self.compress is None:
-            flat.mul_(1.0 / self.world)  # torch divides before the sum, as here
-        else:
+        flat, scale = self.flats[k], 1.0 / self.world if self.compress is None else 1.0
+        for p, piece in zip(self.buckets[k], flat.split([p.numel() for p in self.buckets[k]])):
+            if p.grad is None:  # unused here (find_unused_parameters): count as zero
+                piece.zero_()
+            else:  # copy into the bucket, divided by W on the way as torch does (one pass)
+                torch.mul(p.grad.reshape(-1), scale, out=piece)
+        if self.compress is not None:  # as torch's fp16/bf16 hooks: cast, then divide
             flat = flat.to(self.compress).div_(self.world)
         t0 = time.perf_counter()
         work = dist.all_reduce(flat, group=self.group, async_op=True)

@@ -50,27 +50,24 @@ def exercise_1():
     last step differs from one process's; drop_last drops a real example instead. Only full global
     batches make the two equal."""
     torch.set_num_threads(1)
-    for size in (1408, 1437):
-        one, seen, steps = _train_one_epoch(size, drop_last=False)
-        for drop_last in ((False,) if size == 1408 else (False, True)):
-            (ddp, per_rank, ddp_steps), _ = launch(_train_one_epoch, 2, size, drop_last)
-            gap = max((ddp[k] - v).abs().max().item() for k, v in one.items())
-            print(f"{size} examples, drop_last={drop_last!s:<5}: {per_rank} per rank ({2 * per_rank} in "
-                  f"all, one process {seen}); {ddp_steps} steps; largest difference from one process {gap:.1e}")
-            if size == 1408:
-                check_close(f"{size} (44 full global batches of 32): DDP == one process, "
-                            f"drop_last={drop_last}", ddp, one, rtol=1e-4, atol=1e-5)
-            else:
-                check(f"{size}, drop_last={drop_last}: DDP differs from one process (beyond 1e-5)", gap > 1e-5)
+    size = 1437  # 1408 = 44 x 32 trains equal to one process: notebook 07, section 5, checks it
+    one, seen, steps = _train_one_epoch(size, drop_last=False)
+    for drop_last in (False, True):
+        (ddp, per_rank, ddp_steps), _ = launch(_train_one_epoch, 2, size, drop_last)
+        gap = max((ddp[k] - v).abs().max().item() for k, v in one.items())
+        print(f"{size} examples, drop_last={drop_last!s:<5}: {per_rank} per rank ({2 * per_rank} in "
+              f"all, one process {seen}); {ddp_steps} steps; largest difference from one process {gap:.1e}")
+        check(f"{size}, drop_last={drop_last}: DDP differs from one process beyond the check's 1e-5, "
+              "and by less than 1e-2 (only the last of the 45 steps differs)", 1e-5 < gap < 1e-2)
     print("Without drop_last the last global batch holds 29 real examples plus one repeated from the "
           "start of the permutation, and the mean is over 30; with drop_last it holds 28 (one example "
           "never seen this epoch). One process averages the 29. The earlier steps are identical.")
 
 
-def _first_labels_and_accuracy(call_set_epoch, epochs=2):
+def _first_labels_and_accuracy(call_set_epoch, epochs=3):
     rank, world = dist.get_rank(), dist.get_world_size()
     train_set, test_set = load_digits()
-    data = Subset(train_set, range(1408))
+    data = Subset(train_set, range(704))
     model = lenet(seed=0)
     ddp = DDP(model)
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
@@ -99,8 +96,8 @@ def exercise_2():
     check("called: the first batch changes between epochs", runs[True][0][0] != runs[True][0][1])
     check_changed("the two runs end with different weights (same epoch 0, other orders after)",
                   runs[False][2], runs[True][2])
-    print("Whether the accuracy ends higher or lower is luck of the order; the point is that without "
-          "set_epoch the model sees the same sequence of batches every epoch.")
+    print("The final accuracy changes (here by much); by how much depends on the orders drawn. What "
+          "removing set_epoch certainly does: every epoch feeds the same sequence of batches.")
 
 
 def _load_after_wrapping(pretrained):

@@ -43,10 +43,10 @@ from d2lpar.infra.activations import SavedTensors
 from d2lpar.infra.data import chunk_bounds
 from d2lpar.infra.timing import Span, Timeline
 from d2lpar.processes.launch import launch
-from d2lpar.strategies.pipeline import Schedule, ScheduleError, split_layers, validate
+from d2lpar.strategies.pipeline import Schedule, ScheduleError, _needs, split_layers, validate
 
 __all__ = ["split_model", "check_stages", "run_schedule", "run_pipeline", "PipelineResult",
-           "idle_fractions"]
+           "idle_fractions", "message_latency"]
 
 
 def split_model(model: nn.Sequential, stages: int) -> list[nn.Sequential]:
@@ -102,6 +102,25 @@ def _dot(outs, grads) -> torch.Tensor:
     explicit gradient imports sympy (1.5-4 s per fresh rank here); a scalar's backward does not.
     """
     return sum((o * g).sum() for o, g in zip(outs, grads))
+
+
+def message_latency(timeline: Timeline, schedule: Schedule) -> float:
+    """Median wait between an action's input being ready on another rank and the action starting,
+    over the actions whose rank was idle waiting for that input (send, transfer, wake-up)."""
+    spans = {sp.label: sp for sp in timeline.spans}
+    backward = {(a.stage, a.mb): a for acts in schedule.order for a in acts if a.kind in "BI"}
+    samples = []
+    for r, acts in enumerate(schedule.order):
+        for prev, a in zip([None] + acts[:-1], acts):
+            deps = [d for d in _needs(schedule, a, backward) if schedule.rank_of(d.stage) != r]
+            if not deps:
+                continue
+            ready = max(spans[str(d)].end for d in deps)
+            free = spans[str(prev)].end if prev is not None else float("-inf")
+            if ready > free:   # the rank had nothing to do: it waited for this message
+                samples.append(spans[str(a)].start - ready)
+    samples.sort()
+    return samples[len(samples) // 2] if samples else 0.0
 
 
 class _Stage:
@@ -182,23 +201,43 @@ def run_schedule(schedule: Schedule, modules: dict[int, nn.Module], X: torch.Ten
         else:
             works.append((dist.isend(t.contiguous(), schedule.rank_of(to_stage), tag=tag), t))
 
-    def recv(shape, dtype, from_stage: int, tag: int) -> torch.Tensor:
-        if schedule.rank_of(from_stage) == rank:
-            return local.pop(tag)
-        buf = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(buf, schedule.rank_of(from_stage), tag=tag)
+    def source(a):
+        """(shape, dtype, from stage, tag) of the message action ``a`` waits for, or None."""
+        if a.kind == "F" and a.stage > 0:
+            return (*shapes[a.stage - 1][a.mb], a.stage - 1, 2 * ((a.stage - 1) * m + a.mb))
+        if a.kind in "BI" and a.stage < S - 1:
+            return (*shapes[a.stage][a.mb], a.stage + 1, 2 * (a.stage * m + a.mb) + 1)
+        return None
+
+    posted: dict[int, tuple] = {}   # receives posted one action ahead, so data flows as soon as it is sent
+
+    def post(i: int) -> None:
+        src = source(order[i]) if i < len(order) and i not in posted else None
+        if src is not None and schedule.rank_of(src[2]) != rank:
+            buf = torch.empty(src[0], dtype=src[1], device=device)
+            posted[i] = (dist.irecv(buf, schedule.rank_of(src[2]), tag=src[3]), buf)
+
+    def recv(i: int) -> torch.Tensor:
+        src = source(order[i])
+        if schedule.rank_of(src[2]) == rank:
+            return local.pop(src[3])
+        post(i)
+        work, buf = posted.pop(i)
+        work.wait()
         return buf
 
-    for a in schedule.order[rank]:
+    order = schedule.order[rank]
+    for i, a in enumerate(order):
         s, mb, st = a.stage, a.mb, stages[a.stage]
         lo, hi = bounds[mb]
         fwd_tag, bwd_tag = 2 * (s * m + mb), 2 * ((s - 1) * m + mb) + 1
         if a.kind == "F":
-            x = X[lo:hi].to(device) if s == 0 else recv(*shapes[s - 1][mb], s - 1, 2 * ((s - 1) * m + mb))
+            x = X[lo:hi].to(device) if s == 0 else recv(i)
             if s > 0:
                 x.requires_grad_()
         elif a.kind in "BI":
-            g = None if s == S - 1 else recv(*shapes[s][mb], s + 1, 2 * (s * m + mb) + 1)
+            g = None if s == S - 1 else recv(i)
+        post(i + 1)
         t0 = time.perf_counter()
         if a.kind == "F":
             last = s == S - 1
@@ -223,7 +262,7 @@ def run_schedule(schedule: Schedule, modules: dict[int, nn.Module], X: torch.Ten
             "mb_bytes": {s: st.mb_bytes for s, st in stages.items()}}
 
 
-def _worker(schedule, stages, batches, loss_fn, lr, shapes, wait):
+def _worker(schedule, stages, batches, loss_fn, lr, shapes, wait, warmup):
     rank = dist.get_rank()
     mine = {s: stages[s] for s in schedule.stages_of(rank)}
     if torch.cuda.is_available() and dist.get_backend() != "gloo":   # NCCL: a GPU per rank
@@ -231,9 +270,12 @@ def _worker(schedule, stages, batches, loss_fn, lr, shapes, wait):
     params = [q for mod in mine.values() for q in mod.parameters()]
     opt = torch.optim.SGD(params, lr=lr) if lr else None
     losses = []
+    for _ in range(warmup):   # first calls are slow (allocations, lazy set-up): keep them off the clock
+        run_schedule(schedule, mine, *batches[0], loss_fn, shapes, wait)
     for X, y in batches:
         for q in params:
             q.grad = None
+        dist.barrier()        # every rank starts the step together: a late rank is not a bubble
         out = run_schedule(schedule, mine, X, y, loss_fn, shapes, wait)
         losses.append(out["loss"])
         grads = {s: {k: q.grad.detach().cpu().clone() for k, q in mod.named_parameters()
@@ -263,11 +305,13 @@ class PipelineResult:
 
 
 def run_pipeline(schedule: Schedule, stages: list[nn.Module], batches, loss_fn=nn.functional.cross_entropy,
-                 lr: float = 0.0, wait: dict[str, float] | None = None, timeout: float = 60.0) -> PipelineResult:
+                 lr: float = 0.0, wait: dict[str, float] | None = None, warmup: int = 0,
+                 timeout: float = 60.0) -> PipelineResult:
     """Train ``stages`` on ``batches`` (a list of (X, y)) with the schedule on ``schedule.ranks`` ranks.
 
     Checks the schedule and the stages' shapes here, before any rank starts; ``lr=0`` computes the
-    gradients without updating. The caller's stages are not changed.
+    gradients without updating; ``warmup`` untimed steps (gradients discarded) come first. Each step
+    starts with a barrier. The caller's stages are not changed.
     """
     validate(schedule)
     if len(stages) != schedule.stages:
@@ -277,7 +321,7 @@ def run_pipeline(schedule: Schedule, stages: list[nn.Module], batches, loss_fn=n
     batches = list(batches)
     shapes = check_stages(stages, batches[0][0], schedule.microbatches)
     results = launch(_worker, schedule.ranks, schedule, stages, batches, loss_fn, lr, shapes, wait,
-                     timeout=timeout)
+                     warmup, timeout=timeout)
     merged = {k: {} for k in ("params", "grads", "peak", "mb_bytes")}
     for res in results:
         for k in merged:

@@ -1,0 +1,130 @@
+"""Pipeline schedules on real ranks: the measured bubble against the formula and the simulator, and
+d2lpar's executor against ``torch.distributed.pipelining``.
+
+Part 1 (step time): GPipe and 1F1B on p = 2 ranks, m = 8 micro-batches, real compute: the median
+step time of d2lpar's executor and of torch's schedules on the same model and data, and their ratio.
+
+Part 2 (bubble): for p in {2, 4}, m in {1, 2, 4, 8, 16} and each schedule (naive only with m = 1,
+interleaved with v = 2 only when p divides m), each action lasts a calibrated time (``--tf`` for a
+forward, twice that for a backward; I and W one each; the real computation is small and the rest is
+a wait standing in for a device), so that p ranks behave like p devices on a machine with fewer
+cores. The idle fraction is measured from the ranks' timelines (mean over ranks) after one warm-up
+step, and printed beside the formula (``d2lpar.cost.bubble``) and the simulator. The last line is
+the largest |measured - formula|; message latency and late wake-ups on a busy machine push it up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from d2lpar.cost import bubble
+from d2lpar.infra.timing import Span, Timeline
+from d2lpar.processes.launch import launch
+from d2lpar.strategies import pipeline as P
+from d2lpar.strategies.pipeline_exec import check_stages, idle_fractions, run_schedule, split_model
+from d2lpar.strategies.pipeline_torch import torch_pipeline_worker
+
+
+def _model(width: int, depth: int = 8, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def _durations(s: P.Schedule, tf: float) -> dict[str, float]:
+    v = s.stages_per_rank
+    return {"F": tf / v, "B": 2 * tf / v, "I": tf, "W": tf}
+
+
+def _bench_worker(runs, X, y, repeats: int, warmup: int):
+    """Each run: (schedule, stages, shapes, wait); returns per run this rank's spans of the last step
+    and the wall time of each timed step."""
+    rank, out = dist.get_rank(), []
+    for schedule, stages, shapes, wait in runs:
+        mine = {s: stages[s] for s in schedule.stages_of(rank)}
+        for _ in range(warmup):
+            run_schedule(schedule, mine, X, y, nn.functional.cross_entropy, shapes, wait)
+        times = []
+        for _ in range(repeats):
+            for mod in mine.values():
+                mod.zero_grad(set_to_none=True)
+            dist.barrier()
+            t0 = time.perf_counter()
+            res = run_schedule(schedule, mine, X, y, nn.functional.cross_entropy, shapes, wait)
+            times.append(time.perf_counter() - t0)
+        out.append({"spans": res["spans"], "times": times})
+    return out
+
+
+def step_times(p: int = 2, m: int = 8, width: int = 512, batch: int = 512, repeats: int = 10) -> list[tuple]:
+    """[(schedule, d2lpar median s, torch median s)] for GPipe and 1F1B with real compute."""
+    X, y = torch.randn(batch, width, generator=torch.Generator().manual_seed(0)), torch.arange(batch) % 10
+    names = ["GPipe", "1F1B"]
+    ours = [P.make_schedule(n, p, m) for n in names]
+    runs = [(s, split_model(_model(width), p), check_stages(split_model(_model(width), p), X, m), None)
+            for s in ours]
+    mine = launch(_bench_worker, p, runs, X, y, repeats, 1, timeout=300)
+    theirs = launch(torch_pipeline_worker, p, [(n, split_model(_model(width), p)) for n in names], X, y, m,
+                    repeats=repeats + 1, timeout=300)
+    rows = []
+    for i, n in enumerate(names):
+        d2 = statistics.median(max(r[i]["times"][k] for r in mine) for k in range(repeats))
+        th = statistics.median(max(r[n]["times"][k] for r in theirs) for k in range(1, repeats + 1))
+        rows.append((n, d2, th))
+    return rows
+
+
+def bubbles(ps=(2, 4), ms=(1, 2, 4, 8, 16), tf: float = 0.02) -> list[tuple]:
+    """[(p, m, schedule, measured, formula, simulated)] with calibrated waits."""
+    X, y = torch.randn(16 * 4, 32, generator=torch.Generator().manual_seed(0)), torch.arange(64) % 10
+    rows = []
+    for p in ps:
+        runs = []
+        for m in ms:
+            for name in P.SCHEDULES:
+                if (name == "naive" and m != 1) or (name == "interleaved 1F1B" and m % p):
+                    continue
+                s = P.make_schedule(name, p, m, 2 if name == "interleaved 1F1B" else None)
+                stages = split_model(_model(32), s.stages)
+                runs.append((s, stages, check_stages(stages, X, s.microbatches), _durations(s, tf)))
+        results = launch(_bench_worker, p, runs, X, y, 1, 1, timeout=600)
+        for i, (s, _, _, wait) in enumerate(runs):
+            tl = Timeline(Span(*sp) for r in results for sp in r[i]["spans"])
+            measured = statistics.fmean(idle_fractions(tl, p))
+            formula = bubble.idle_fraction(s.name, p, s.microbatches, s.stages_per_rank)
+            rows.append((p, s.microbatches, s.name, measured, formula, P.simulate(s, wait).bubble))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m d2lpar bench pipeline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tf", type=float, default=0.02, help="seconds a forward lasts (default 0.02)")
+    parser.add_argument("--quick", action="store_true", help="m in {1, 4, 8} and 5 timed steps only")
+    parser.add_argument("--skip-torch", action="store_true", help="skip the comparison with torch")
+    args = parser.parse_args(argv)
+    if hasattr(os, "getloadavg"):
+        print(f"load average before the run: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPU(s) "
+              "(a busy machine wakes ranks late and adds to the measured bubble)")
+    if not args.skip_torch:
+        print("step time, real compute, p=2, m=8 (median):")
+        for name, d2, th in step_times(repeats=5 if args.quick else 10):
+            print(f"  {name:>5}: d2lpar {d2 * 1e3:7.1f} ms, torch.distributed.pipelining {th * 1e3:7.1f} ms, "
+                  f"ratio {d2 / th:.2f} (target <= 1.2)")
+    rows = bubbles(ms=(1, 4, 8) if args.quick else (1, 2, 4, 8, 16), tf=args.tf)
+    print(f"{'p':>2} {'m':>3} {'schedule':>17} {'measured':>9} {'formula':>8} {'simulated':>10} {'diff':>7}")
+    for p, m, name, meas, formula, sim in rows:
+        print(f"{p:>2} {m:>3} {name:>17} {meas:>9.3f} {formula:>8.3f} {sim:>10.3f} {meas - formula:>+7.3f}")
+    worst = max(rows, key=lambda r: abs(r[3] - r[4]))
+    print(f"largest |measured - formula|: {abs(worst[3] - worst[4]):.3f} ({worst[2]}, p={worst[0]}, "
+          f"m={worst[1]}; target <= 0.03)")
+    return 0

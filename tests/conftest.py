@@ -17,3 +17,15 @@ def warm_launcher():
     from d2lpar.processes.launch import launch
     launch(_warm, 1, quiet=True)
     yield launch
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Send the test modules' workers to the ranks by value, as a notebook's are.
+
+    By reference, each rank would import the test module, and pytest with it, to find a worker by
+    name: about a second per rank and launch on two cores. cloudpickle keeps a class sent by value
+    the same class when an instance of it comes back.
+    """
+    import cloudpickle
+    for module in {item.module for item in items if getattr(item, "module", None) is not None}:
+        cloudpickle.register_pickle_by_value(module)

@@ -262,7 +262,8 @@ def test_many_launches_leak_no_descriptors_nor_processes(warm_launcher):
     for _ in range(20):
         assert launch(_all_reduce, 4, 0) == [6.0] * 4
     seconds = (time.perf_counter() - t0) / 20
-    assert (open_fds(), descendants()) == (fds, kids)
+    # no growth (a process another test left may end meanwhile, so "not more", not "the same")
+    assert open_fds() <= fds and descendants() <= kids
     # ~0.2 s on a quiet 2-core machine; a fresh process per rank (mp.spawn) costs ~8 s there.
     # The bound leaves room for a machine shared with other jobs.
     assert seconds < 4.0, f"a warm launch of 4 ranks took {seconds:.1f} s"

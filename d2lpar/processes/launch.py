@@ -96,8 +96,10 @@ def _forkserver():
     if _context is None:
         if "forkserver" in mp.get_all_start_methods():
             _context = mp.get_context("forkserver")
+            # the launcher imports the rank side; a worker from a module that imports the
+            # launcher (the benches, the course's modules) then finds it already loaded
             _context.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle",
-                                             "d2lpar.processes.rank"])
+                                             "d2lpar.processes.launch"])
         else:  # Windows: no fork at all, so each rank starts Python and imports torch
             _context = mp.get_context("spawn")
     return _context

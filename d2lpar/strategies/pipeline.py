@@ -17,16 +17,14 @@ m (tF + tB) out of a step of (m + p - 1)(tF + tB), so its **idle fraction** is
 
 GPipe keeps all m micro-batches' activations until its backwards start; 1F1B starts backwards early
 and stage s never holds more than min(p - s, m). ``validate`` names the first rule a schedule breaks;
-``simulate`` plays a schedule with given durations (pure Python) and returns its timeline, each
-rank's idle fraction and each stage's peak number of micro-batches held.
+``simulate`` (in ``pipeline_sim``, imported here) plays a schedule with given durations and
+returns its timeline, each rank's idle fraction and each stage's peak number of micro-batches held.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import NamedTuple
-
-from d2lpar.infra.timing import Span, Timeline
 
 __all__ = ["Action", "Schedule", "ScheduleError", "naive", "gpipe", "one_f_one_b", "interleaved_1f1b",
            "zb_h1", "SCHEDULES", "make_schedule", "validate", "simulate", "Simulation", "format_order",
@@ -280,81 +278,14 @@ def validate(s: Schedule) -> Schedule:
             a, prev = backward[(stage - 1, mb)], backward[(stage, mb)]
             if where[a][0] == where[prev][0] and where[a][1] < where[prev][1]:
                 fail(f"B in the reverse order: {a} comes before {prev} on rank {where[a][0]}", a)
+    from d2lpar.strategies.pipeline_sim import simulate
     simulate(s, _validated=True)   # raises on a deadlock
     return s
 
 
-# --------------------------------------------------------------------------------------- simulator
-
-@dataclass
-class Simulation:
-    schedule: Schedule
-    timeline: Timeline          # lanes 'rank r', labels '1F0'
-    makespan: float
-    idle: list[float]           # per rank: 1 - busy / makespan
-    peak: list[int]             # per stage: most micro-batches whose activations it held at once
-
-    @property
-    def bubble(self) -> float:
-        """Mean idle fraction over ranks."""
-        return sum(self.idle) / len(self.idle)
-
-
-def simulate(s: Schedule, durations: dict[str, float] | None = None, stage_scale: list[float] | None = None,
-             latency: float = 0.0, _validated: bool = False) -> Simulation:
-    """Play the schedule: each rank runs its actions in order, each as soon as its inputs have arrived.
-
-    durations: time per action kind, default F=1, B=2, I=1, W=1 (a backward costs two forwards);
-    stage_scale: a factor per stage (a slower stage); latency: added to every message between ranks.
-    """
-    if not _validated:
-        validate(s)
-    d = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, **(durations or {})}
-    scale = stage_scale or [1.0] * s.stages
-    backward = {(a.stage, a.mb): a for acts in s.order for a in acts if a.kind in "BI"}
-    end: dict[Action, float] = {}
-    pos, free = [0] * s.ranks, [0.0] * s.ranks
-    tl = Timeline()
-    while True:
-        progressed = False
-        for r, acts in enumerate(s.order):
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                deps = _needs(s, a, backward)
-                if any(n not in end for n in deps):
-                    break
-                ready = max([free[r]] + [end[n] + (latency if s.rank_of(n.stage) != r else 0.0)
-                                         for n in deps])
-                end[a] = ready + d[a.kind] * scale[a.stage]
-                tl.add(f"rank {r}", str(a), ready, end[a])
-                free[r], pos[r] = end[a], pos[r] + 1
-                progressed = True
-        if all(pos[r] == len(acts) for r, acts in enumerate(s.order)):
-            break
-        if not progressed:
-            waits = []
-            for r, acts in enumerate(s.order):
-                if pos[r] < len(acts):
-                    a = acts[pos[r]]
-                    missing = [str(n) for n in _needs(s, a, backward) if n not in end]
-                    waits.append(f"rank {r} waits at {a} for {', '.join(missing)}")
-            first = min(r for r in range(s.ranks) if pos[r] < len(s.order[r]))
-            raise ScheduleError("deadlock: every rank waits for another: " + "; ".join(waits) + "\n"
-                                + format_order(s, s.order[first][pos[first]]))
-    makespan = max(free)
-    idle = [1.0 - tl.busy(f"rank {r}") / makespan for r in range(s.ranks)]
-    return Simulation(s, tl, makespan, idle, peak_held(s))
-
-
-def peak_held(s: Schedule) -> list[int]:
-    """Per stage, the most micro-batches whose forward has run and whose backward (B, or W) has not."""
-    peak = [0] * s.stages
-    held = [0] * s.stages
-    for acts in s.order:
-        for a in acts:
-            if a.kind == "F":
-                held[a.stage] += 1
-                peak[a.stage] = max(peak[a.stage], held[a.stage])
-            elif a.kind in "BW":
-                held[a.stage] -= 1
-    return peak
+def __getattr__(name: str):
+    """``simulate``, ``Simulation`` and ``peak_held`` live in ``pipeline_sim`` and are offered here too."""
+    if name in ("simulate", "Simulation", "peak_held"):
+        from d2lpar.strategies import pipeline_sim
+        return getattr(pipeline_sim, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -43,7 +43,8 @@ from d2lpar.infra.activations import SavedTensors
 from d2lpar.infra.data import chunk_bounds
 from d2lpar.infra.timing import Span, Timeline
 from d2lpar.processes.launch import launch
-from d2lpar.strategies.pipeline import Schedule, ScheduleError, _needs, split_layers, validate
+from d2lpar.strategies.pipeline import Schedule, ScheduleError, split_layers, validate
+from d2lpar.strategies.pipeline_sim import idle_fractions, message_latency
 
 __all__ = ["split_model", "check_stages", "run_schedule", "run_pipeline", "PipelineResult",
            "idle_fractions", "message_latency"]
@@ -89,12 +90,6 @@ def check_stages(stages: list[nn.Module], X: torch.Tensor, microbatches: int) ->
     return [[col[n] for n in sizes] for col in by_size]
 
 
-def idle_fractions(timeline: Timeline, ranks: int) -> list[float]:
-    """Per rank, 1 - (time in actions) / (first start to last end of the whole step)."""
-    span = timeline.makespan()
-    return [1.0 - timeline.busy(f"rank {r}") / span for r in range(ranks)]
-
-
 def _dot(outs, grads) -> torch.Tensor:
     """sum_k <out_k, grad_k>: its gradient with respect to each out_k is exactly grad_k.
 
@@ -102,25 +97,6 @@ def _dot(outs, grads) -> torch.Tensor:
     explicit gradient imports sympy (1.5-4 s per fresh rank here); a scalar's backward does not.
     """
     return sum((o * g).sum() for o, g in zip(outs, grads))
-
-
-def message_latency(timeline: Timeline, schedule: Schedule) -> float:
-    """Median wait between an action's input being ready on another rank and the action starting,
-    over the actions whose rank was idle waiting for that input (send, transfer, wake-up)."""
-    spans = {sp.label: sp for sp in timeline.spans}
-    backward = {(a.stage, a.mb): a for acts in schedule.order for a in acts if a.kind in "BI"}
-    samples = []
-    for r, acts in enumerate(schedule.order):
-        for prev, a in zip([None] + acts[:-1], acts):
-            deps = [d for d in _needs(schedule, a, backward) if schedule.rank_of(d.stage) != r]
-            if not deps:
-                continue
-            ready = max(spans[str(d)].end for d in deps)
-            free = spans[str(prev)].end if prev is not None else float("-inf")
-            if ready > free:   # the rank had nothing to do: it waited for this message
-                samples.append(spans[str(a)].start - ready)
-    samples.sort()
-    return samples[len(samples) // 2] if samples else 0.0
 
 
 class _Stage:

@@ -1,0 +1,120 @@
+"""Playing a pipeline schedule in pure Python: when each action runs, who waits, who holds what.
+
+``simulate`` runs every rank's list in order, each action as soon as its rank is free and its inputs
+have arrived (the actions it needs, plus a ``latency`` when they ran on another rank), with given
+durations per kind and a factor per stage. Each action's start is the longest path to it in the
+graph of dependencies, so the result is exact, not sampled. A schedule whose ranks all wait for
+each other is a **deadlock**: reported with what each rank waits for. From the timeline: each rank's
+**idle fraction** 1 - busy / step; from the order alone: each stage's **peak** number of
+micro-batches whose forward has run and whose backward (B, or W) has not.
+
+``idle_fractions`` and ``message_latency`` read the same figures off a timeline measured on ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from d2lpar.infra.timing import Timeline
+from d2lpar.strategies.pipeline import Action, Schedule, ScheduleError, _needs, format_order, validate
+
+__all__ = ["Simulation", "simulate", "peak_held", "idle_fractions", "message_latency"]
+
+
+@dataclass
+class Simulation:
+    schedule: Schedule
+    timeline: Timeline          # lanes 'rank r', labels '1F0'
+    makespan: float
+    idle: list[float]           # per rank: 1 - busy / makespan
+    peak: list[int]             # per stage: most micro-batches whose activations it held at once
+
+    @property
+    def bubble(self) -> float:
+        """Mean idle fraction over ranks."""
+        return sum(self.idle) / len(self.idle)
+
+
+def simulate(s: Schedule, durations: dict[str, float] | None = None, stage_scale: list[float] | None = None,
+             latency: float = 0.0, _validated: bool = False) -> Simulation:
+    """Play the schedule: each rank runs its actions in order, each as soon as its inputs have arrived.
+
+    durations: time per action kind, default F=1, B=2, I=1, W=1 (a backward costs two forwards);
+    stage_scale: a factor per stage (a slower stage); latency: added to every message between ranks.
+    """
+    if not _validated:
+        validate(s)
+    d = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, **(durations or {})}
+    scale = stage_scale or [1.0] * s.stages
+    backward = {(a.stage, a.mb): a for acts in s.order for a in acts if a.kind in "BI"}
+    end: dict[Action, float] = {}
+    pos, free = [0] * s.ranks, [0.0] * s.ranks
+    tl = Timeline()
+    while True:
+        progressed = False
+        for r, acts in enumerate(s.order):
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                deps = _needs(s, a, backward)
+                if any(n not in end for n in deps):
+                    break
+                ready = max([free[r]] + [end[n] + (latency if s.rank_of(n.stage) != r else 0.0)
+                                         for n in deps])
+                end[a] = ready + d[a.kind] * scale[a.stage]
+                tl.add(f"rank {r}", str(a), ready, end[a])
+                free[r], pos[r] = end[a], pos[r] + 1
+                progressed = True
+        if all(pos[r] == len(acts) for r, acts in enumerate(s.order)):
+            break
+        if not progressed:
+            waits = []
+            for r, acts in enumerate(s.order):
+                if pos[r] < len(acts):
+                    a = acts[pos[r]]
+                    missing = [str(n) for n in _needs(s, a, backward) if n not in end]
+                    waits.append(f"rank {r} waits at {a} for {', '.join(missing)}")
+            first = min(r for r in range(s.ranks) if pos[r] < len(s.order[r]))
+            raise ScheduleError("deadlock: every rank waits for another: " + "; ".join(waits) + "\n"
+                                + format_order(s, s.order[first][pos[first]]))
+    makespan = max(free)
+    idle = [1.0 - tl.busy(f"rank {r}") / makespan for r in range(s.ranks)]
+    return Simulation(s, tl, makespan, idle, peak_held(s))
+
+
+def peak_held(s: Schedule) -> list[int]:
+    """Per stage, the most micro-batches whose forward has run and whose backward (B, or W) has not."""
+    peak = [0] * s.stages
+    held = [0] * s.stages
+    for acts in s.order:
+        for a in acts:
+            if a.kind == "F":
+                held[a.stage] += 1
+                peak[a.stage] = max(peak[a.stage], held[a.stage])
+            elif a.kind in "BW":
+                held[a.stage] -= 1
+    return peak
+
+
+def idle_fractions(timeline: Timeline, ranks: int) -> list[float]:
+    """Per rank, 1 - (time in actions) / (first start to last end of the whole step)."""
+    span = timeline.makespan()
+    return [1.0 - timeline.busy(f"rank {r}") / span for r in range(ranks)]
+
+
+def message_latency(timeline: Timeline, schedule: Schedule) -> float:
+    """Median wait between an action's input being ready on another rank and the action starting,
+    over the actions whose rank was idle waiting for that input (send, transfer, wake-up)."""
+    spans = {sp.label: sp for sp in timeline.spans}
+    backward = {(a.stage, a.mb): a for acts in schedule.order for a in acts if a.kind in "BI"}
+    samples = []
+    for r, acts in enumerate(schedule.order):
+        for prev, a in zip([None] + acts[:-1], acts):
+            deps = [d for d in _needs(schedule, a, backward) if schedule.rank_of(d.stage) != r]
+            if not deps:
+                continue
+            ready = max(spans[str(d)].end for d in deps)
+            free = spans[str(prev)].end if prev is not None else float("-inf")
+            if ready > free:   # the rank had nothing to do: it waited for this message
+                samples.append(spans[str(a)].start - ready)
+    samples.sort()
+    return samples[len(samples) // 2] if samples else 0.0

@@ -189,15 +189,16 @@ def test_a_rank_that_raises(no_strays):
     def worker():
         import torch.distributed as dist
         if dist.get_rank() == 2:
-            for i in range(30):
+            for i in range(29):
                 print(f"line{i:02d}")
+            os.write(2, b"line29 written to fd 2, as C++ does\n")
             raise ValueError("bad shard")
         dist.barrier()  # the others wait for rank 2, which never comes
     with pytest.raises(RankFailed) as info:
         launch(worker, 4, timeout=30)
     err, text = info.value, str(info.value)
     assert err.rank == 2 and "ValueError: bad shard" in err.remote_traceback
-    assert "rank 2 of 4 failed" in text and "\n    line29" in text and "line10" in text
+    assert "rank 2 of 4 failed" in text and "\n    line29 written to fd 2" in text and "line10" in text
     assert "line09" not in text  # the last 20 lines, not more
     assert sorted(err.consequences) == [0, 1, 3], "the others are listed as consequences"
     log = err.logs / "rank2.log"

@@ -16,6 +16,11 @@ arrived first then blames an innocent rank. Three pieces of evidence tell the st
   (connection closed or reset, broken pipe) is a *consequence* (``consequence = 1``). The reported
   rank is ``min`` over failures of ``(consequence, time)``: the earliest cause, whatever the order in
   which the messages reached the caller.
+
+The launcher's errors live here too (``launch`` exports them): ``RankFailed`` (the cause's traceback,
+the consequences, every rank's last ``TAIL_LINES`` lines, the log folder) and ``LaunchTimeout``
+(where each unfinished rank waited). A good run's logs are deleted; a failed run's are kept, the
+newest ``KEEP_RUNS`` of them.
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ has n_k examples and a loss ``loss_fn`` that is a mean over them, so the stage b
 it is sum_k loss_k / m). Gradients accumulate in ``.grad`` over the micro-batches and equal a single
 process's gradient of the full batch: not m times it (dividing by m is what such code forgets).
 
-Messages are ``isend`` (never blocks) and ``recv`` (blocks until the data is there), each with a tag
-naming (stage, micro-batch, direction), so messages between two ranks can arrive in any order.
+Messages are ``isend`` (never blocks) and ``irecv`` posted a few actions ahead and waited for when
+needed, each with a tag naming (stage, micro-batch, direction), so messages between two ranks can
+arrive in any order.
 Receive buffers need shapes: ``check_stages`` runs the stages on *meta* tensors in the caller (no
 compute, no memory), so a stage whose output does not fit the next stage is reported before any rank
 starts, with both stages and both shapes. A rank that raises ends the whole run: the launcher stops
@@ -153,6 +154,13 @@ class _Stage:
         return None
 
 
+# Receives are posted this many actions ahead: gloo moves a message only once its receive is posted,
+# so a receive posted late costs a wake-up of the sender's transport thread (measured: interleaved
+# 1F1B, p=2, m=16 idled 0.155 with 1 action ahead, 0.059 with 4, 0.050 with 8; formula 0.030).
+# The price is up to this many receive buffers allocated early.
+LOOKAHEAD = 8
+
+
 def run_schedule(schedule: Schedule, modules: dict[int, nn.Module], X: torch.Tensor, y: torch.Tensor,
                  loss_fn, shapes: list[list[tuple]], wait: dict[str, float] | None = None) -> dict:
     """This rank's part of one training step (call inside a launched rank; gradients land in .grad).
@@ -185,7 +193,7 @@ def run_schedule(schedule: Schedule, modules: dict[int, nn.Module], X: torch.Ten
             return (*shapes[a.stage][a.mb], a.stage + 1, 2 * (a.stage * m + a.mb) + 1)
         return None
 
-    posted: dict[int, tuple] = {}   # receives posted one action ahead, so data flows as soon as it is sent
+    posted: dict[int, tuple] = {}   # receives posted ahead, so data flows as soon as it is sent
 
     def post(i: int) -> None:
         src = source(order[i]) if i < len(order) and i not in posted else None
@@ -213,7 +221,8 @@ def run_schedule(schedule: Schedule, modules: dict[int, nn.Module], X: torch.Ten
                 x.requires_grad_()
         elif a.kind in "BI":
             g = None if s == S - 1 else recv(i)
-        post(i + 1)
+        for ahead in range(i + 1, i + 1 + LOOKAHEAD):
+            post(ahead)
         t0 = time.perf_counter()
         if a.kind == "F":
             last = s == S - 1

@@ -97,9 +97,11 @@ def _forkserver():
         if "forkserver" in mp.get_all_start_methods():
             _context = mp.get_context("forkserver")
             # the launcher imports the rank side; a worker from a module that imports the
-            # launcher (the benches, the course's modules) then finds it already loaded
-            _context.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle",
-                                             "d2lpar.processes.launch"])
+            # launcher (the benches, the course's modules) then finds it already loaded.
+            # torch._dynamo: the first torch.optim optimizer or DDP built in a process imports
+            # torch's compiler, 2 s of CPU per rank per launch on 2 cores; once here, 2 s in all.
+            _context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
+                                             "cloudpickle", "d2lpar.processes.launch"])
         else:  # Windows: no fork at all, so each rank starts Python and imports torch
             _context = mp.get_context("spawn")
     return _context

@@ -70,3 +70,12 @@ def test_no_stack_signal_no_error(monkeypatch):
     monkeypatch.setattr(rank, "STACK_SIGNAL", None)  # Windows has no SIGUSR1
     rank.arm_stack_dump("/nonexistent/never-written")  # no signal to arm: nothing opened, no error
     assert rank._stack_file is None
+
+
+def test_stack_paths_drop_this_machine_prefix():
+    from pathlib import Path
+    from d2lpar.processes import ranklog
+    package = Path(ranklog.__file__).resolve().parents[1] / "strategies" / "ddp.py"
+    assert ranklog._short(str(package)) == "d2lpar/strategies/ddp.py"
+    assert ranklog._short("/v/lib/python3.11/site-packages/torch/distributed/c10d.py") == \
+        "torch/distributed/c10d.py"

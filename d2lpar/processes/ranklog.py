@@ -188,10 +188,16 @@ def _at(path: str, line: int) -> str:
     return f"{_short(path)} line {line}"
 
 
+_PACKAGE_PARENT = str(Path(__file__).resolve().parents[2]) + os.sep  # the folder holding d2lpar
+
+
 def _short(path: str) -> str:
+    """Library and course paths without this machine's prefix: ``torch/...``, ``d2lpar/...``."""
     for marker in ("site-packages/", "lib/python3"):
         if marker in path:
             return path.split(marker, 1)[1].lstrip("0123456789./")
+    if path.startswith(_PACKAGE_PARENT):
+        return path[len(_PACKAGE_PARENT):]
     return path
 
 

@@ -18,9 +18,9 @@ programs take cores from the ranks and from gloo's threads: the load average is 
 from __future__ import annotations
 
 import argparse
-import os
 
 from d2lpar.cost.buckets import bucket_schedule, fit_terms
+from d2lpar.infra.timing import load_line
 from d2lpar.processes.launch import launch
 from d2lpar.strategies.ddp_timing import overlap_worker, sweep_worker, versus_torch_worker
 
@@ -40,8 +40,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.ranks < 2 or args.cap_mb <= 0 or args.repeats < 1:
         parser.error("need --ranks >= 2, --cap-mb > 0 and --repeats >= 1")
-    if hasattr(os, "getloadavg"):
-        print(f"load average before the run: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPU(s)")
+    if load_line():
+        print(load_line())
     shape = dict(width=args.width, depth=args.depth)
     print(f"{args.ranks} ranks, MLP {args.depth} x Linear({args.width}, {args.width}), "
           f"bucket cap {args.cap_mb:g} MiB")

@@ -10,11 +10,11 @@ the best of ``--repeats`` runs. The last line states overlapped / max(compute, t
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
 from d2lpar.comm.overlap import cpu_overlap, cuda_overlap
+from d2lpar.infra.timing import load_line
 
 
 def main(argv=None) -> int:
@@ -30,9 +30,8 @@ def main(argv=None) -> int:
     else:
         if not torch.cuda.is_available():
             print("No GPU here: measuring the CPU path (a copy thread beside the compute thread).")
-        if hasattr(os, "getloadavg"):
-            print(f"load average before the run: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPU(s) "
-                  "(other programs take cores from the two threads and push the ratio up)")
+        if load_line():
+            print(load_line("other programs take cores from the two threads and push the ratio up"))
         result = cpu_overlap(target_s=args.target, copy_mb=args.copy_mb, repeats=args.repeats)
     print(result.table())
     print(f"ratio overlapped / max(compute, transfer): {result.ratio:.3f}")

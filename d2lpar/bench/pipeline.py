@@ -16,7 +16,6 @@ the largest |measured - formula|; message latency and late wake-ups on a busy ma
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -25,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from d2lpar.cost import bubble
-from d2lpar.infra.timing import Span, Timeline
+from d2lpar.infra.timing import Span, Timeline, load_line
 from d2lpar.processes.launch import launch
 from d2lpar.strategies import pipeline as P
 from d2lpar.strategies.pipeline_exec import check_stages, idle_fractions, run_schedule, split_model
@@ -112,9 +111,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="m in {1, 4, 8} and 5 timed steps only")
     parser.add_argument("--skip-torch", action="store_true", help="skip the comparison with torch")
     args = parser.parse_args(argv)
-    if hasattr(os, "getloadavg"):
-        print(f"load average before the run: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPU(s) "
-              "(a busy machine wakes ranks late and adds to the measured bubble)")
+    if load_line():
+        print(load_line("a busy machine wakes ranks late and adds to the measured bubble"))
     if not args.skip_torch:
         print("step time, real compute, p=2, m=8 (median):")
         for name, d2, th in step_times(repeats=5 if args.quick else 10):

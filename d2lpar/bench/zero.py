@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import time
 import warnings
 
@@ -23,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from d2lpar.infra.adamw import AdamW
+from d2lpar.infra.timing import load_line
 from d2lpar.processes.launch import launch
 from d2lpar.strategies import zero
 
@@ -124,8 +124,8 @@ def main(argv=None) -> int:
         parser.error(f"--ranks {args.ranks!r}: give whole numbers separated by commas, like 2,4")
     if min(ranks) < 1 or args.width < 1 or args.layers < 1 or args.rounds < 1 or args.steps < 1:
         parser.error("--ranks, --width, --layers, --rounds and --steps must be at least 1")
-    if hasattr(os, "getloadavg"):
-        print(f"# load average before the run: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPU(s)")
+    if load_line():
+        print("# " + load_line())
     psi = sum(p.numel() for p in _model(args.width, args.layers).parameters())
     print(f"# MLP of {args.layers} layers of width {args.width}: {psi} parameters, fp32, AdamW")
     print("# bytes per rank, measured / formula (rank 0 shown; every rank checked)")

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from d2lpar.infra.data import chunk_bounds
 
 __all__ = ["ByteCounter", "RingStep", "ring_schedule", "ring_reduce_scatter",
-           "ring_all_gather", "ring_all_reduce", "free_workspace", "ring_bytes", "ring_rank_formula",
+           "ring_all_gather", "ring_all_reduce", "free_workspace", "ring_bytes", "ring_rank_bytes", "ring_rank_formula",
            "all_to_all", "all_to_all_bytes", "holdings"]
 
 
@@ -254,9 +254,21 @@ def ring_bytes(numel: int, n: int, element_size: int = 4) -> list[dict[str, int]
     return out
 
 
+RING_PASSES = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+
+
+def ring_rank_bytes(kind: str, K: float, n: int) -> float:
+    """Bytes each rank sends (and receives) in a ring collective over a K-byte tensor.
+
+    One pass round the ring moves (N-1)K/N per rank: a reduce-scatter or an all-gather is one pass
+    (K: the whole tensor, the reduce-scatter's input or the all-gather's output), an all-reduce two.
+    """
+    return RING_PASSES[kind] * (n - 1) * K / n
+
+
 def ring_rank_formula(K: float, n: int) -> float:
     """Bytes each rank sends (and receives) in a ring all-reduce: 2(N-1)K/N."""
-    return 2 * (n - 1) * K / n
+    return ring_rank_bytes("all_reduce", K, n)
 
 
 # ---------------------------------------------------------------------------------------- pictures

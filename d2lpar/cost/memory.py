@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from d2lpar.comm.collectives import ring_rank_formula
+from d2lpar.comm.collectives import ring_rank_bytes, ring_rank_formula
 from d2lpar.infra.data import split_sizes
 
 __all__ = ["mlp_activation_bytes", "Footprint", "footprints",
@@ -119,7 +119,7 @@ def footprints(sizes: tuple[int, ...], batch: int, n: int, strategy: str,
         out = []
         for i in range(n):
             p = sum((a * b + b) // n + (i < (a * b + b) % n) for a, b in zip(sizes[:-1], sizes[1:]))
-            gather = sum((n - 1) / n * BYTES * batch * d for d in sizes[1:-1])
+            gather = sum(ring_rank_bytes("all_gather", BYTES * batch * d, n) for d in sizes[1:-1])
             reduce_grads = sum(ring_rank_formula(BYTES * batch * d, n) for d in sizes[1:-1])
             out.append(fp(i, p, batch * sum(acts), gather + reduce_grads))
         return out

@@ -32,6 +32,7 @@ network between nodes. ``tp_step_time`` sets the two beside each other for a des
 
 from __future__ import annotations
 
+from d2lpar.comm.collectives import ring_rank_formula
 from d2lpar.cost.costmodel import MACHINES, Gpu, Link, Machine, allreduce_time
 
 __all__ = ["REGIONS", "comm_formula", "dp_grad_sent", "activation_bytes", "korthikanti_bytes",
@@ -57,13 +58,13 @@ def comm_formula(block: str, b: int, s: int, d: int, t: int, sequence_parallel: 
         return {p: {"counts": {}, "sent": 0.0} for p in ("forward", "backward")}
     counts = ({"all_gather": regions, "reduce_scatter": regions} if sequence_parallel
               else {"all_reduce": regions})
-    sent = regions * 2 * (t - 1) / t * k
+    sent = regions * ring_rank_formula(k, t)  # the sequence-parallel pair moves what the all-reduce does
     return {p: {"counts": dict(counts), "sent": sent} for p in ("forward", "backward")}
 
 
 def dp_grad_sent(params: int, n: int, element_size: int = 4) -> float:
     """Bytes one rank sends per step when data parallelism all-reduces ``params`` gradients."""
-    return 2 * (n - 1) / n * element_size * params
+    return ring_rank_formula(element_size * params, n)
 
 
 def activation_bytes(block: str, b: int, s: int, d: int, heads: int, hidden: int, t: int = 1,

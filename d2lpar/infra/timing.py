@@ -12,12 +12,13 @@ a machine, so spans recorded by different ranks can be put on one chart (``d2lpa
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from typing import Iterable, NamedTuple
 
 import torch
 
-__all__ = ["synchronize", "Timer", "Benchmark", "Span", "Timeline"]
+__all__ = ["load_line", "synchronize", "Timer", "Benchmark", "Span", "Timeline"]
 
 
 def synchronize(device: torch.device | str | None = None) -> None:
@@ -138,3 +139,15 @@ class Timeline:
 
     def __len__(self) -> int:
         return len(self.spans)
+
+
+def load_line(why: str = "") -> str:
+    """One line on how busy the machine is before a timed run ('' where the system cannot say).
+
+    On a shared CPU, timings measure the waiting for cores as much as the code: print this first.
+    """
+    if not hasattr(os, "getloadavg"):
+        return ""
+    return (f"load average before the run: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPU(s)"
+            + (f" ({why})" if why else ""))
+

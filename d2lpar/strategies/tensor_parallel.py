@@ -42,15 +42,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from d2lpar.comm.collectives import ring_rank_bytes
+
 __all__ = ["Comm", "CommLog", "count_comms", "record_comm", "torch_counts", "tp_world", "require_divisible", "check_same_shape",
            "copy_to_region", "reduce_from_region", "gather_from_region", "scatter_to_region",
-           "all_gather_seq", "reduce_scatter_seq", "shard", "RING_FACTOR"]
+           "all_gather_seq", "reduce_scatter_seq", "shard"]
 
 # ---------------------------------------------------------------------------------- counting
-
-RING_FACTOR = {"all_reduce": lambda t: 2 * (t - 1) / t, "all_gather": lambda t: (t - 1) / t,
-               "reduce_scatter": lambda t: (t - 1) / t}
-
 
 @dataclass(frozen=True)
 class Comm:
@@ -62,7 +60,7 @@ class Comm:
     @property
     def sent(self) -> float:
         """Bytes this rank sends (and receives) with a ring algorithm."""
-        return RING_FACTOR[self.kind](self.ranks) * self.nbytes
+        return ring_rank_bytes(self.kind, self.nbytes, self.ranks)
 
 
 @dataclass

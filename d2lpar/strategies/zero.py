@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from d2lpar.comm.collectives import ByteCounter, ring_all_gather, ring_reduce_scatter
+from d2lpar.comm.collectives import ByteCounter, ring_all_gather, ring_rank_bytes, ring_reduce_scatter
 from d2lpar.infra.adamw import AdamW
 from d2lpar.strategies.flat_shards import FlatUnit, padded_numel, shard_size, split_units
 
@@ -59,8 +59,8 @@ def sent_bytes(stage: int, numel: float, n: int, param_bytes: float = 4,
     """Bytes one rank sends per step: 2 (N-1)/N p Psi, or 3 (N-1)/N p Psi for stage 3."""
     if stage not in (0,) + STAGES:
         raise ValueError(f"stage must be 0 (plain data parallelism), 1, 2 or 3, got {stage!r}")
-    halves = 3 if stage == 3 and reshard_after_forward else 2
-    return halves * (n - 1) / n * param_bytes * numel
+    passes = 3 if stage == 3 and reshard_after_forward else 2  # ring passes over all parameters
+    return passes * ring_rank_bytes("all_gather", param_bytes * numel, n)
 
 
 class ZeroAdamW:

@@ -235,11 +235,13 @@ def test_a_rank_that_never_joins_shows_where_each_rank_waits(no_strays):
             time.sleep(60)
         dist.all_reduce(torch.ones(1))
     line = inspect.getsourcelines(worker)[1]
-    with pytest.raises(LaunchTimeout, match=r"ranks \[0, 1, 2\] of 3 had not finished after 1 s") as info:
-        launch(worker, 3, timeout=1)
+    # Ranks 1 and 2 must reach the all-reduce before the deadline: a start takes ~0.3 s when quiet,
+    # but 1 s was too little on a busy CI machine (no rank had printed yet). 6 s leaves room.
+    with pytest.raises(LaunchTimeout, match=r"ranks \[0, 1, 2\] of 3 had not finished after 6 s") as info:
+        launch(worker, 3, timeout=6)
     text = str(info.value)
     here = _short(__file__)  # tests/test_launch.py: paths inside the checkout are shown relative
-    assert f"rank 0 was in worker ({here} line {line + 4})" in text
+    assert f"rank 0 was in worker ({here} line {line + 4})" in text, text
     for r in (1, 2):
         assert re.search(rf"rank {r} was in all_reduce \(torch/distributed/\S+ line \d+\), called "
                          rf"from worker \({re.escape(here)} line {line + 5}\)", text)

@@ -10,8 +10,10 @@ import pytest
 from d2lpar.bench.ddp import main
 
 
-@pytest.mark.parametrize("argv", [["--cap-mb", "0"], ["--ranks", "1"], ["--repeats", "0"]])
+@pytest.mark.parametrize("argv", [["--cap-mb", "0"], ["--ranks", "1"], ["--repeats", "0"],
+                                  ["--compute-over-comm", "0"]])
 def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         main(argv)
-    assert "need --ranks >= 2, --cap-mb > 0 and --repeats >= 1" in capsys.readouterr().err
+    assert "need --ranks >= 2, --cap-mb > 0, --repeats >= 1 and --compute-over-comm > 0" in \
+        capsys.readouterr().err

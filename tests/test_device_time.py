@@ -1,4 +1,5 @@
-"""A Timed layer computes the same gradients, waits its seconds in backward, and records spans."""
+"""A Timed layer computes the same gradients, waits its device time in backward, and records spans;
+the layers of one model share a device clock that hides the CPU's work when it fits."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from d2lpar.infra.device_time import Timed, record, set_backward_time, timed_mlp
+from d2lpar.infra.device_time import DeviceClock, Timed, record, set_backward_time, timed_mlp
 from d2lpar.infra.timing import Timeline
 
 
@@ -29,7 +30,55 @@ def test_same_gradients_a_wait_and_one_span_per_layer():
         assert a.grad is not None and a.grad.abs().sum() > 0
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
     assert [s.label for s in tl.spans] == ["backward output", "backward layer 1", "backward layer 0"]
-    assert all(s.duration >= share for s, share in zip(tl.spans, shares[::-1]))
+    # One device: the k-th layer backward reaches ends no earlier than backward's start plus the
+    # device time of the first k layers.
+    start, due = tl.spans[0].start, 0.0
+    for span, share in zip(tl.spans, shares[::-1]):
+        due += share
+        assert span.end - start >= due
+
+
+class _SlowGrad(torch.autograd.Function):
+    """Identity whose backward keeps the CPU busy for 20 ms, as real gradients do."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        end = time.perf_counter() + 0.02
+        while time.perf_counter() < end:
+            pass
+        return grad
+
+
+class _Slow(nn.Module):
+    def forward(self, x):
+        return _SlowGrad.apply(x)
+
+
+def test_cpu_work_hides_in_the_device_time_of_a_shared_clock_only():
+    def backward_time(shared: bool) -> float:
+        model = nn.Sequential(Timed(_Slow(), 0.05), Timed(_Slow(), 0.05))
+        if shared:
+            model[1].clock = model[0].clock
+        x = torch.ones(3, requires_grad=True)
+        model(x).sum().backward()  # a forward first: it resets the clocks
+        t0 = time.perf_counter()
+        model(x).sum().backward()
+        return time.perf_counter() - t0
+
+    # Own clocks: 2 x (50 ms wait + 20 ms CPU). One clock: the second wait shrinks by the first
+    # layer's 20 ms of CPU work, so 2 x 50 ms + the last 20 ms.
+    own, shared = backward_time(False), backward_time(True)
+    assert own >= 0.14 and 0.12 <= shared < 0.135, (own, shared)
+    clock = DeviceClock()
+    clock.run(0.0)
+    time.sleep(0.03)
+    t0 = time.perf_counter()
+    clock.run(0.01)  # the device already finished this work while the CPU was away: no wait
+    assert time.perf_counter() - t0 < 0.005
 
 
 def test_bad_input():

@@ -6,12 +6,19 @@ lets an all-reduce overlap backward. Simulated ranks on a small CPU cannot show 
 gloo's threads share two cores, so a real CPU backward takes the core that the all-reduce needs.
 
 ``Timed(layer, seconds)`` keeps everything real (the forward, the gradients, every message) and
-adds, at the start of the layer's backward, a wait of ``seconds`` (``time.sleep``: the CPU is free,
-as while a GPU computes). Choose ``seconds`` from a measurement, e.g. proportional to the layer's
-FLOPs and scaled to the measured all-reduce time. With a ``Timeline``, each layer's backward (wait
-plus real gradient) is recorded as a span ``(lane, 'backward <name>', start, end)``:
+adds, at the start of the layer's backward, a wait (``time.sleep``: the CPU is free, as while a GPU
+computes). Choose ``seconds`` from a measurement, e.g. proportional to the layer's FLOPs and scaled
+to the measured all-reduce time. With a ``Timeline``, each layer's backward (wait plus real
+gradient) is recorded as a span ``(lane, 'backward <name>', start, end)``:
 
     out = Mark(after)( layer( Mark(before)(x) ) )   backward: wait, layer's gradients, end of span
+
+The waits follow a ``DeviceClock`` shared by the layers of one model (``set_backward_time`` sets
+one up), as kernels queued on one GPU run back to back: the device starts when backward starts, and
+the backward of the k-th layer it reaches ends no earlier than that start plus the device time of
+the first k layers. Work the CPU does meanwhile (the real gradients, hooks, copies) is hidden in that
+time as long as it fits, as a CPU's work hides behind a GPU's queue; a late wake-up of one layer
+does not push the later ones back. A layer with its own clock (the default) just waits ``seconds``.
 """
 
 from __future__ import annotations
@@ -23,7 +30,28 @@ from torch import nn
 
 from d2lpar.infra.timing import Timeline
 
-__all__ = ["Timed", "timed_mlp", "set_backward_time", "record"]
+__all__ = ["DeviceClock", "Timed", "timed_mlp", "set_backward_time", "record"]
+
+
+class DeviceClock:
+    """The time at which a simulated device finishes the work queued on it so far.
+
+    ``run(seconds)`` queues ``seconds`` of device work and sleeps until the device is done with it.
+    The first call after ``reset()`` starts the device at the current time; later calls queue behind
+    the earlier ones (a GPU runs its queue without gaps while the CPU keeps ahead of it).
+    """
+
+    def __init__(self):
+        self.due: float | None = None
+
+    def reset(self) -> None:
+        self.due = None
+
+    def run(self, seconds: float) -> None:
+        now = time.perf_counter()
+        self.due = (now if self.due is None else self.due) + seconds
+        if self.due > now:
+            time.sleep(self.due - now)
 
 
 class _Start(torch.autograd.Function):
@@ -37,8 +65,7 @@ class _Start(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         ctx.owner._t0 = time.perf_counter()
-        if ctx.owner.seconds > 0:
-            time.sleep(ctx.owner.seconds)
+        ctx.owner.clock.run(ctx.owner.seconds)
         return grad, None
 
 
@@ -68,7 +95,7 @@ class Timed(nn.Module):
             raise ValueError(f"seconds={seconds}: a wait cannot be negative")
         self.layer, self.seconds, self.name = layer, seconds, name
         self.timeline: Timeline | None = None
-        self.lane, self._t0 = "compute", None
+        self.lane, self._t0, self.clock = "compute", None, DeviceClock()
         # A leaf that needs a gradient, so that _End's backward runs even for the first layer,
         # whose input needs none. It is not a parameter: nothing optimizes or sends it.
         self._anchor = torch.zeros((), requires_grad=True)
@@ -76,6 +103,7 @@ class Timed(nn.Module):
     def forward(self, x):
         if not torch.is_grad_enabled():
             return self.layer(x)
+        self.clock.reset()  # the next backward starts the device afresh
         return _Start.apply(self.layer(_End.apply(x, self._anchor, self)), self)
 
 
@@ -89,13 +117,15 @@ def timed_mlp(width: int = 512, depth: int = 8, classes: int = 10, seed: int = 0
 
 def set_backward_time(model: nn.Module, total_s: float) -> list[float]:
     """Share ``total_s`` seconds of backward among the model's ``Timed`` layers in proportion to
-    their parameters (a Linear layer's FLOPs are proportional to its weights); return the shares."""
+    their parameters (a Linear layer's FLOPs are proportional to its weights), on one
+    ``DeviceClock`` (one device runs them one after another); return the shares."""
     timed = [m for m in model.modules() if isinstance(m, Timed)]
     if not timed:
         raise ValueError("the model has no Timed layers: wrap its layers in Timed(...) first")
     sizes = [sum(p.numel() for p in m.parameters()) for m in timed]
+    clock = DeviceClock()
     for m, s in zip(timed, sizes):
-        m.seconds = total_s * s / sum(sizes)
+        m.seconds, m.clock = total_s * s / sum(sizes), clock
     return [m.seconds for m in timed]
 
 

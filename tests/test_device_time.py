@@ -78,7 +78,7 @@ def test_cpu_work_hides_in_the_device_time_of_a_shared_clock_only():
     time.sleep(0.03)
     t0 = time.perf_counter()
     clock.run(0.01)  # the device already finished this work while the CPU was away: no wait
-    assert time.perf_counter() - t0 < 0.005
+    assert time.perf_counter() - t0 < 0.01  # queued behind now, it would have slept 10 ms
 
 
 def test_bad_input():

@@ -26,8 +26,8 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet --no-deps $(D2L)
 	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps $(D2L)
 	touch $@
 
 # As root (containers, some cloud machines) JupyterLab refuses to start without --allow-root.
@@ -46,7 +46,9 @@ notebooks: setup
 
 # Re-execute notebooks in place (what is committed is executed): make execute [NB=notebooks/00_setup.ipynb]
 NB ?= notebooks/*.ipynb
+# It refuses to run on a busy machine (the timings would be the other programs'): D2LPAR_ALLOW_LOAD=1 overrides.
 execute: setup
+	$(PY) -m d2lpar quiet
 	for nb in $(NB); do \
 	  $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
 	    --ExecutePreprocessor.timeout=600 "$$nb" || exit 1; done

@@ -1,4 +1,4 @@
-"""``python -m d2lpar info`` and ``python -m d2lpar bench <name>``."""
+"""``python -m d2lpar info``, ``python -m d2lpar bench <name>`` and ``python -m d2lpar quiet``."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m d2lpar", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="what this machine has and what the course will simulate")
+    sub.add_parser("quiet", help="exit 1, saying why, when the machine is too busy to time anything")
     bench = sub.add_parser("bench", help="benchmarks that print figures")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options for the benchmark")
@@ -29,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
         from d2lpar.info import machine_report
         print(machine_report())
         return 0
+    if args.command == "quiet":
+        from d2lpar.infra.timing import quiet_or_exit
+        return quiet_or_exit()
     module = importlib.import_module(BENCHMARKS[args.name])
     return module.main(args.rest) or 0
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from d2lpar.strategies import data_parallel as dp
+from d2lpar.strategies.data import data_parallel as dp
 from d2lpar.infra.check import check_changed, check_close
 from d2lpar.infra.devices import get_devices
 from d2lpar.infra.models import lenet, mlp

@@ -16,7 +16,7 @@ from torch import nn
 
 from d2lpar.infra.check import check_close
 from d2lpar.processes.launch import RankFailed, launch
-from d2lpar.strategies.ddp import DDP, TiedToy, assign_buckets
+from d2lpar.strategies.data.ddp import DDP, TiedToy, assign_buckets
 
 CAPS = {1: 25.0, 2: 0.002, 4: 0.0001}  # buckets -> bucket_cap_mb, for TiedToy
 BATCH, STEPS, LR = 12, 3, 0.5

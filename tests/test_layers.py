@@ -92,7 +92,7 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
 
 @pytest.mark.parametrize("source", [
     "from d2lpar.cost.memory import footprints\n",
-    "import d2lpar.strategies.data_parallel\n",
+    "import d2lpar.strategies.data.data_parallel\n",
     "from ..comm import collectives\n",
     "def f():\n    from d2lpar.processes.launch import launch\n",  # lazy imports count too
 ])
@@ -108,3 +108,44 @@ def test_downward_and_sideways_imports_are_fine(tmp_path):
     root = _tree(tmp_path, {"comm/x.py": "from d2lpar.infra.data import split_sizes\nfrom .y import z\n",
                             "bench/b.py": "from d2lpar.cost import memory\n"})
     assert upward_imports(root) == []
+
+
+def import_cycles(root: Path = PACKAGE) -> list[list[str]]:
+    """Every cycle of modules that import each other (lazily or not), each as a list of names."""
+    modules = {_module_name(p, root): p for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        targets = set()
+        for node in ast.walk(tree):
+            for t in _imported(node, name, path.name == "__init__.py"):
+                targets.add(t)   # ``from package import module`` imports the module too
+                targets.update(f"{t}.{a.name}" for a in getattr(node, "names", []))
+        graph[name] = {t for t in targets if t in modules and t != name}
+    cycles, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    return cycles
+
+
+def test_no_two_modules_import_each_other():
+    cycles = import_cycles()
+    assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_an_import_circle_is_found(tmp_path):
+    root = _tree(tmp_path, {"strategies/pipeline/a.py": "from d2lpar.strategies.pipeline.b import x\n",
+                            "strategies/pipeline/b.py": "def f():\n    from d2lpar.strategies.pipeline import a\n"})
+    assert import_cycles(root) == [["d2lpar.strategies.pipeline.a", "d2lpar.strategies.pipeline.b",
+                                    "d2lpar.strategies.pipeline.a"]]

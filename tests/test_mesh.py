@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from d2lpar.processes.launch import launch
-from d2lpar.strategies import mesh as M
+from d2lpar.strategies.sharded import mesh as M
 
 
 def test_grid_lines_without_processes():

@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from d2lpar.strategies import nn_dataparallel as ndp
+from d2lpar.strategies.data import nn_dataparallel as ndp
 from d2lpar.infra.check import check_changed, check_close
-from d2lpar.strategies.data_parallel import balanced_sizes
+from d2lpar.strategies.data.data_parallel import balanced_sizes
 from d2lpar.infra.devices import get_devices
 from d2lpar.infra.models import lenet
 

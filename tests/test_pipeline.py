@@ -4,8 +4,9 @@ and broken schedules are rejected with the rule they break (pure Python, no proc
 import pytest
 
 from d2lpar.cost import bubble
-from d2lpar.strategies import pipeline as P
-from d2lpar.strategies.pipeline import Action, Schedule, ScheduleError
+from d2lpar.strategies.pipeline import schedules as P
+from d2lpar.strategies.pipeline.simulator import simulate
+from d2lpar.strategies.pipeline.schedules import Action, Schedule, ScheduleError
 
 
 def test_action_string_form_round_trips():
@@ -19,7 +20,7 @@ def test_action_string_form_round_trips():
 def test_every_schedule_is_valid_and_meets_its_formula(p):
     for m in range(1, 17):
         for name in ("naive", "GPipe", "1F1B", "ZB-H1"):
-            sim = P.simulate(P.make_schedule(name, p, m), {"F": 1, "B": 2, "I": 1, "W": 1})
+            sim = simulate(P.make_schedule(name, p, m), {"F": 1, "B": 2, "I": 1, "W": 1})
             expected = bubble.idle_fraction(name, p, m)
             assert all(abs(i - expected) < 1e-12 for i in sim.idle), (name, p, m, sim.idle, expected)
             if name != "naive":
@@ -27,19 +28,19 @@ def test_every_schedule_is_valid_and_meets_its_formula(p):
         for v in (1, 2, 3):
             if v > 1 and m % p:
                 continue
-            sim = P.simulate(P.interleaved_1f1b(p, m, v), {"F": 1 / v, "B": 2 / v})
+            sim = simulate(P.interleaved_1f1b(p, m, v), {"F": 1 / v, "B": 2 / v})
             expected = bubble.idle_fraction("interleaved 1F1B", p, m, v)
             assert all(abs(i - expected) < 1e-12 for i in sim.idle), (p, m, v, sim.idle, expected)
 
 
 def test_unequal_durations_give_the_same_gpipe_bubble_and_a_slow_stage_widens_it():
-    sim = P.simulate(P.gpipe(4, 8), {"F": 1.0, "B": 3.0})
+    sim = simulate(P.gpipe(4, 8), {"F": 1.0, "B": 3.0})
     assert all(abs(i - 3 / 11) < 1e-12 for i in sim.idle)
-    slow = P.simulate(P.one_f_one_b(4, 8), stage_scale=[1, 1, 2, 1])
+    slow = simulate(P.one_f_one_b(4, 8), stage_scale=[1, 1, 2, 1])
     assert max(slow.idle) > 3 / 11 and min(slow.idle) == slow.idle[2]
     # GPipe pays the latency once per hop, forward and back; 1F1B's alternation waits on it more often
-    assert P.simulate(P.gpipe(4, 8), latency=0.5).makespan == P.simulate(P.gpipe(4, 8)).makespan + 6 * 0.5
-    assert P.simulate(P.one_f_one_b(4, 8), latency=0.5).makespan > P.simulate(P.one_f_one_b(4, 8)).makespan + 6 * 0.5
+    assert simulate(P.gpipe(4, 8), latency=0.5).makespan == simulate(P.gpipe(4, 8)).makespan + 6 * 0.5
+    assert simulate(P.one_f_one_b(4, 8), latency=0.5).makespan > simulate(P.one_f_one_b(4, 8)).makespan + 6 * 0.5
 
 
 def _broken(order, p=2, m=2):
@@ -86,7 +87,7 @@ def test_bad_arguments_say_what_to_do():
     with pytest.raises(ScheduleError, match="unknown schedule"):
         P.make_schedule("2F2B", 2, 2)
     # 1F1B with fewer micro-batches than stages runs, with GPipe's bubble (said in its docstring)
-    assert P.simulate(P.one_f_one_b(4, 2)).idle == P.simulate(P.gpipe(4, 2)).idle
+    assert simulate(P.one_f_one_b(4, 2)).idle == simulate(P.gpipe(4, 2)).idle
 
 
 def test_formulas_disagree_where_they_should():

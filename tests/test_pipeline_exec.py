@@ -10,8 +10,8 @@ from torch import nn
 
 from d2lpar.cost import bubble
 from d2lpar.processes.launch import RankFailed, launch
-from d2lpar.strategies import pipeline as P
-from d2lpar.strategies.pipeline_exec import check_stages, run_pipeline, run_schedule, split_model
+from d2lpar.strategies.pipeline import schedules as P
+from d2lpar.strategies.pipeline.executor import check_stages, run_pipeline, run_schedule, split_model
 
 NAMES = ["naive", "GPipe", "1F1B", "interleaved 1F1B", "ZB-H1"]
 

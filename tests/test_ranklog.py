@@ -75,7 +75,7 @@ def test_no_stack_signal_no_error(monkeypatch):
 def test_stack_paths_drop_this_machine_prefix():
     from pathlib import Path
     from d2lpar.processes import ranklog
-    package = Path(ranklog.__file__).resolve().parents[1] / "strategies" / "ddp.py"
-    assert ranklog._short(str(package)) == "d2lpar/strategies/ddp.py"
+    package = Path(ranklog.__file__).resolve().parents[1] / "strategies" / "data" / "ddp.py"
+    assert ranklog._short(str(package)) == "d2lpar/strategies/data/ddp.py"
     assert ranklog._short("/v/lib/python3.11/site-packages/torch/distributed/c10d.py") == \
         "torch/distributed/c10d.py"

@@ -15,9 +15,9 @@ from torch import nn
 from d2lpar.cost import tp_cost
 from d2lpar.infra.activations import saved_activation_bytes
 from d2lpar.processes.launch import RankFailed, launch
-from d2lpar.strategies import tensor_parallel as tp
-from d2lpar.strategies import tp_blocks as B
-from d2lpar.strategies import tp_layers as L
+from d2lpar.strategies.tensor import mappings as tp
+from d2lpar.strategies.tensor import blocks as B
+from d2lpar.strategies.tensor import layers as L
 
 B_, S, D, HEADS, HID = 2, 8, 12, 4, 20   # d, heads, hidden: divisible by 2 and 4, nothing else
 LR = 0.5

@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 from d2lpar.processes.launch import launch
-from d2lpar.strategies import zero as Z
+from d2lpar.strategies.sharded import zero as Z
 
 STEPS, BATCH = 3, 24
 

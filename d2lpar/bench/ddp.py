@@ -25,7 +25,7 @@ import argparse
 from d2lpar.cost.buckets import bucket_schedule, fit_terms
 from d2lpar.infra.timing import load_line
 from d2lpar.processes.launch import launch
-from d2lpar.strategies.ddp_timing import (COMPUTE_OVER_COMM, overlap_worker, sweep_worker,
+from d2lpar.strategies.data.ddp_timing import (COMPUTE_OVER_COMM, overlap_worker, sweep_worker,
                                          versus_torch_worker)
 
 

@@ -26,9 +26,10 @@ from torch import nn
 from d2lpar.cost import bubble
 from d2lpar.infra.timing import Span, Timeline, load_line
 from d2lpar.processes.launch import launch
-from d2lpar.strategies import pipeline as P
-from d2lpar.strategies.pipeline_exec import check_stages, idle_fractions, run_schedule, split_model
-from d2lpar.strategies.pipeline_torch import torch_pipeline_worker
+from d2lpar.strategies.pipeline import schedules as P
+from d2lpar.strategies.pipeline.simulator import simulate
+from d2lpar.strategies.pipeline.executor import check_stages, idle_fractions, run_schedule, split_model
+from d2lpar.strategies.pipeline.torch_api import torch_pipeline_worker
 
 
 def _model(width: int, depth: int = 8, seed: int = 0) -> nn.Sequential:
@@ -100,7 +101,7 @@ def bubbles(ps=(2, 4), ms=(1, 2, 4, 8, 16), tf: float = 0.02) -> list[tuple]:
             tl = Timeline(Span(*sp) for r in results for sp in r[i]["spans"])
             measured = statistics.fmean(idle_fractions(tl, p))
             formula = bubble.idle_fraction(s.name, p, s.microbatches, s.stages_per_rank)
-            rows.append((p, s.microbatches, s.name, measured, formula, P.simulate(s, wait).bubble))
+            rows.append((p, s.microbatches, s.name, measured, formula, simulate(s, wait).bubble))
     return rows
 
 

@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from d2lpar.cost import tp_cost
 from d2lpar.processes.launch import launch
-from d2lpar.strategies import tensor_parallel as tp
-from d2lpar.strategies import tp_blocks as B
+from d2lpar.strategies.tensor import mappings as tp
+from d2lpar.strategies.tensor import blocks as B
 
 BLOCKS = ("mlp", "attn")
 

@@ -2,7 +2,7 @@
 
 For each stage on 2 and 4 gloo ranks, ``ZeroAdamW`` trains an MLP for a few steps; each rank's bytes
 held (parameters, gradients, optimizer state, measured from its tensors) and bytes sent per step
-(counted message by message) are divided by the formulas of ``d2lpar.strategies.zero``: every ratio
+(counted message by message) are divided by the formulas of ``d2lpar.strategies.sharded.zero``: every ratio
 must print 1.000. Then the step time (forward, backward, AdamW) of the hand-built stage 3 is set
 beside FSDP2's ``fully_shard`` on the same model and ranks, both with the same elementwise AdamW on
 their local shards, in interleaved rounds (best of each); the target is a ratio of at most 1.3.
@@ -24,7 +24,7 @@ from torch import nn
 from d2lpar.infra.adamw import AdamW
 from d2lpar.infra.timing import load_line
 from d2lpar.processes.launch import launch
-from d2lpar.strategies import zero
+from d2lpar.strategies.sharded import zero
 
 KEYS = ("params", "grads", "optimizer", "sent")
 

@@ -1,7 +1,7 @@
 """How long a DDP step takes when bucket all-reduces overlap backward, and the best bucket size.
 
 Backward produces the gradients layer by layer (last layer first). Layer i takes c_i seconds and
-yields g_i bytes. Buckets are cut from that order by ``d2lpar.strategies.ddp.assign_buckets``;
+yields g_i bytes. Buckets are cut from that order by ``d2lpar.strategies.data.ddp.assign_buckets``;
 bucket b is *ready* at r_b, the time its last layer is done. All-reduces run one at a time, in
 bucket order, each taking ``T(K) = a + K b`` for K bytes (for a ring over W devices with latency
 alpha and bandwidth beta, a = 2(W-1) alpha and b = 2(W-1) / (W beta), plus adding):
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from d2lpar.cost.costmodel import Machine, allreduce_time
-from d2lpar.strategies.ddp import assign_buckets
+from d2lpar.strategies.data.ddp import assign_buckets
 
 __all__ = ["BucketRun", "bucket_schedule", "best_cap", "uniform_step", "uniform_best_cap",
            "ring_terms", "fit_terms"]

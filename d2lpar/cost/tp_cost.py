@@ -11,7 +11,7 @@ all-gather). A transformer layer has two regions. Data parallelism instead all-r
 gradient once per step, 2(n-1)/n * 4P bytes: tensor parallelism's traffic grows with the batch and
 the sequence, data parallelism's with the parameters.
 
-Activation memory per rank, measured (saved tensors) for the blocks of ``d2lpar.strategies.tp_blocks``
+Activation memory per rank, measured (saved tensors) for the blocks of ``d2lpar.strategies.tensor.blocks``
 (fp32, no dropout, a heads, MLP width f):
 
     MLP        4bs(d + 2f/t)                          fc1's input; GELU's input; fc2's input (split)

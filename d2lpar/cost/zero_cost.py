@@ -1,6 +1,6 @@
 """When to use which: memory and time of DP and ZeRO-1/2/3 for a model on a described cluster.
 
-Memory per GPU is ``d2lpar.strategies.zero.model_state_bytes`` (mixed precision, as in the ZeRO
+Memory per GPU is ``d2lpar.strategies.sharded.zero.model_state_bytes`` (mixed precision, as in the ZeRO
 paper: p = 2 bytes of fp16 parameters, g = 2 of fp16 gradients, k = 12 of fp32 master weights,
 momentum and variance); activations come on top and are left out here, as in the paper's table.
 
@@ -18,7 +18,7 @@ three (parameters gathered for forward and again for backward). The links are th
 from __future__ import annotations
 
 from d2lpar.cost.costmodel import MACHINES, Machine
-from d2lpar.strategies.zero import model_state_bytes, sent_bytes
+from d2lpar.strategies.sharded.zero import model_state_bytes, sent_bytes
 
 __all__ = ["NAMES", "paper_table", "half_ring_time", "plan", "plan_table"]
 

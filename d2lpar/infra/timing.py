@@ -18,7 +18,7 @@ from typing import Iterable, NamedTuple
 
 import torch
 
-__all__ = ["load_line", "synchronize", "Timer", "Benchmark", "Span", "Timeline"]
+__all__ = ["load_line", "quiet_or_exit", "synchronize", "Timer", "Benchmark", "Span", "Timeline"]
 
 
 def synchronize(device: torch.device | str | None = None) -> None:
@@ -141,13 +141,33 @@ class Timeline:
         return len(self.spans)
 
 
+QUIET_PER_CORE = 0.5     # one-minute load average per core under which a machine counts as quiet
+ALLOW_LOAD = "D2LPAR_ALLOW_LOAD"
+
+
 def load_line(why: str = "") -> str:
     """One line on how busy the machine is before a timed run ('' where the system cannot say).
 
     On a shared CPU, timings measure the waiting for cores as much as the code: print this first.
+    It says so when the run was made busy on purpose (``D2LPAR_ALLOW_LOAD=1``, see ``quiet_or_exit``).
     """
     if not hasattr(os, "getloadavg"):
         return ""
+    override = (f"; {ALLOW_LOAD}=1: executed without waiting for a quiet machine"
+                if os.environ.get(ALLOW_LOAD) == "1" else "")
     return (f"load average before the run: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPU(s)"
-            + (f" ({why})" if why else ""))
+            + (f" ({why})" if why else "") + override)
 
+
+def quiet_or_exit() -> int:
+    """``python -m d2lpar quiet``: exit 0 when the one-minute load average is at most
+    0.5 per core (or the override is set), else 1 with one line saying what was seen and what to do."""
+    if not hasattr(os, "getloadavg") or os.environ.get(ALLOW_LOAD) == "1":
+        return 0
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load <= QUIET_PER_CORE * cores:
+        return 0
+    print(f"the machine is busy: one-minute load average {load:.2f} on {cores} CPU(s), above "
+          f"{QUIET_PER_CORE * cores:.2f}; timings executed now would not be this code's. Stop what else "
+          f"runs and wait a minute, or run again with {ALLOW_LOAD}=1 (the notebooks then say so).")
+    return 1

@@ -1,1 +1,2 @@
-"""Layer 4, strategies: one module per way of splitting training across devices."""
+"""Layer 4, strategies: one subpackage per way of splitting training across devices
+(``data``, ``pipeline``, ``tensor``, ``sharded``)."""

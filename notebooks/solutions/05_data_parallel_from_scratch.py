@@ -16,7 +16,7 @@ from d2lpar.infra.check import check, check_changed, check_close
 from d2lpar.infra.data import chunk_bounds, load_digits, split_batch
 from d2lpar.infra.devices import get_devices
 from d2lpar.infra.models import count_parameters, lenet
-from d2lpar.strategies.data_parallel import DataParallelSGD, allreduce_grads, evaluate, replicate
+from d2lpar.strategies.data.data_parallel import DataParallelSGD, allreduce_grads, evaluate, replicate
 
 torch.set_num_threads(1)
 _data: dict = {}

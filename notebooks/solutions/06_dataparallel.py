@@ -17,8 +17,8 @@ from d2lpar.infra.check import check, check_close, check_equal
 from d2lpar.infra.devices import get_devices, gpu_count
 from d2lpar.infra.models import count_parameters, lenet, small_resnet
 from d2lpar.infra.paths import build_dir
-from d2lpar.strategies.data_parallel import balanced_sizes
-from d2lpar.strategies.nn_dataparallel import (SimulatedDataParallel, best_gpu0_bsz, memory_per_device,
+from d2lpar.strategies.data.data_parallel import balanced_sizes
+from d2lpar.strategies.data.nn_dataparallel import (SimulatedDataParallel, best_gpu0_bsz, memory_per_device,
                                                traffic_per_step)
 
 torch.set_num_threads(1)

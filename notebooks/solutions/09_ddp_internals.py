@@ -9,7 +9,7 @@ from torch import nn
 from d2lpar.cost import buckets as bucket_cost
 from d2lpar.cost.costmodel import MACHINES
 from d2lpar.processes.launch import launch
-from d2lpar.strategies.ddp import DDP, TiedToy, assign_buckets
+from d2lpar.strategies.data.ddp import DDP, TiedToy, assign_buckets
 
 
 def _tokens(n, seed=0):

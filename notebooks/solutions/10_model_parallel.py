@@ -5,13 +5,14 @@ from torch import nn
 
 from d2lpar.cost import bubble
 from d2lpar.infra.activations import SavedTensors
-from d2lpar.strategies import pipeline as P
+from d2lpar.strategies.pipeline import schedules as P
+from d2lpar.strategies.pipeline.simulator import simulate
 
 
 def exercise_1():
     """Uneven cut: stage 0 does twice the work of each other stage (same total work as the even cut)."""
-    even = P.simulate(P.naive(4), stage_scale=[1.0] * 4)
-    uneven = P.simulate(P.naive(4), stage_scale=[8 / 5, 4 / 5, 4 / 5, 4 / 5])   # 2x : 1x : 1x : 1x, sum 4
+    even = simulate(P.naive(4), stage_scale=[1.0] * 4)
+    uneven = simulate(P.naive(4), stage_scale=[8 / 5, 4 / 5, 4 / 5, 4 / 5])   # 2x : 1x : 1x : 1x, sum 4
     print("idle per rank, even cut:  ", [round(i, 3) for i in even.idle])
     print("idle per rank, uneven cut:", [round(i, 3) for i in uneven.idle])
     print(f"step time: even {even.makespan:.3f}, uneven {uneven.makespan:.3f} (units of one even forward)")
@@ -19,8 +20,8 @@ def exercise_1():
     assert abs(uneven.makespan - even.makespan) < 1e-9   # one device works at a time: the sum is the same
     # With one micro-batch the cut changes who waits, not how long the step takes; with micro-batches
     # (notebook 11) the slowest stage sets the pace and an uneven cut costs time.
-    gp_even = P.simulate(P.gpipe(4, 8), stage_scale=[1.0] * 4).makespan
-    gp_uneven = P.simulate(P.gpipe(4, 8), stage_scale=[8 / 5, 4 / 5, 4 / 5, 4 / 5]).makespan
+    gp_even = simulate(P.gpipe(4, 8), stage_scale=[1.0] * 4).makespan
+    gp_uneven = simulate(P.gpipe(4, 8), stage_scale=[8 / 5, 4 / 5, 4 / 5, 4 / 5]).makespan
     print(f"GPipe, m=8: even {gp_even:.2f}, uneven {gp_uneven:.2f}")
     assert gp_uneven > gp_even
 
@@ -28,7 +29,7 @@ def exercise_1():
 def exercise_2():
     """Micro-batches fill the pipeline: GPipe's idle fraction falls as (p-1)/(m+p-1)."""
     for m in (1, 2, 4, 8):
-        sim = P.simulate(P.gpipe(4, m))
+        sim = simulate(P.gpipe(4, m))
         formula = bubble.idle_fraction("GPipe", 4, m)
         print(f"m={m}: simulated idle {sim.bubble:.3f}, formula (p-1)/(m+p-1) = {formula:.3f}")
         assert abs(sim.bubble - formula) < 1e-12

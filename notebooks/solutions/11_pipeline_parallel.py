@@ -6,7 +6,8 @@ from torch import nn
 
 from d2lpar.cost import bubble
 from d2lpar.processes.launch import launch
-from d2lpar.strategies import pipeline as P
+from d2lpar.strategies.pipeline import schedules as P
+from d2lpar.strategies.pipeline.simulator import simulate
 
 
 def exercise_1():
@@ -14,7 +15,7 @@ def exercise_1():
     rows = {}
     for name in ("GPipe", "1F1B"):
         s = P.make_schedule(name, 4, 8)
-        rows[name] = (P.simulate(s).bubble, P.simulate(s, latency=0.2).bubble)
+        rows[name] = (simulate(s).bubble, simulate(s, latency=0.2).bubble)
         print(f"{name}: idle {rows[name][0]:.3f} without latency, {rows[name][1]:.3f} with 0.2 per message")
     assert rows["1F1B"][1] > rows["GPipe"][1] > rows["GPipe"][0] == rows["1F1B"][0]
     # GPipe's forwards stream one after the other, so a rank receives the next micro-batch while it
@@ -27,7 +28,7 @@ def exercise_2():
     """Interleaving v = 1, 2, 4 on p = 4, m = 8: idle fraction and messages per step."""
     for v in (1, 2, 4):
         s = P.interleaved_1f1b(4, 8, v)
-        sim = P.simulate(s, {"F": 1 / v, "B": 2 / v})
+        sim = simulate(s, {"F": 1 / v, "B": 2 / v})
         sends = sum(1 for acts in s.order for a in acts
                     if (a.kind == "F" and a.stage < s.stages - 1) or (a.kind in "BI" and a.stage > 0))
         formula = bubble.idle_fraction("interleaved 1F1B", 4, 8, v)
@@ -40,7 +41,7 @@ def exercise_3():
     """ZB-H1's bubble (p-1)(tF + tI - tW) holds while tW <= tF; a longer W cannot hide more."""
     p, m = 4, 8
     for tw in (0.5, 1.0, 1.5):
-        sim = P.simulate(P.zb_h1(p, m), {"F": 1.0, "I": 1.0, "W": tw})
+        sim = simulate(P.zb_h1(p, m), {"F": 1.0, "I": 1.0, "W": tw})
         idle_time = sim.makespan - m * (2.0 + tw)
         formula = (p - 1) * (1.0 + 1.0 - tw)
         print(f"tW={tw}: bubble {idle_time:.2f} forward-times, (p-1)(tF+tI-tW) = {formula:.2f}")
@@ -53,7 +54,7 @@ def exercise_3():
 def exercise_4():
     """Peak activation bytes per stage for p = 4, m = 16, 1 MiB per micro-batch per stage."""
     for name in ("GPipe", "1F1B"):
-        peak = P.simulate(P.make_schedule(name, 4, 16)).peak
+        peak = simulate(P.make_schedule(name, 4, 16)).peak
         print(f"{name}: {[f'{k} MiB' for k in peak]}")
         assert peak == bubble.peak_microbatches(name, 4, 16)
     assert bubble.peak_microbatches("GPipe", 4, 16) == [16] * 4

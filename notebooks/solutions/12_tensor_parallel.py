@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from d2lpar.cost import tp_cost
 from d2lpar.infra.activations import saved_activation_bytes
 from d2lpar.processes.launch import RankFailed, launch
-from d2lpar.strategies import tensor_parallel as tp
-from d2lpar.strategies import tp_blocks as B
+from d2lpar.strategies.tensor import mappings as tp
+from d2lpar.strategies.tensor import blocks as B
 
 b, s, d, heads, hidden = 2, 8, 16, 4, 64
 

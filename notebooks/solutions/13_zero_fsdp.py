@@ -15,7 +15,7 @@ from torch import nn
 from d2lpar.infra.adamw import AdamW
 from d2lpar.infra.check import check, check_close, check_equal
 from d2lpar.processes.launch import launch
-from d2lpar.strategies import zero
+from d2lpar.strategies.sharded import zero
 
 
 def make_model(seed=0):

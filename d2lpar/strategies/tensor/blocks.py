@@ -28,8 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from d2lpar.strategies.tensor_parallel import record_comm, require_divisible, tp_world
-from d2lpar.strategies.tp_layers import ColumnParallelLinear, RowParallelLinear
+from d2lpar.strategies.tensor.mappings import record_comm, require_divisible, tp_world
+from d2lpar.strategies.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["MLP", "SelfAttention", "TransformerLayer", "attention", "ParallelMLP",
            "ParallelSelfAttention", "ParallelLayerNorm", "ParallelTransformerLayer",

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from d2lpar.infra.timing import Timeline
-from d2lpar.strategies.pipeline import Action, Schedule, ScheduleError, _needs, format_order, validate
+from d2lpar.strategies.pipeline.schedules import Action, Schedule, _needs, play_order, validate
 
 __all__ = ["Simulation", "simulate", "peak_held", "idle_fractions", "message_latency"]
 
@@ -36,46 +36,23 @@ class Simulation:
 
 
 def simulate(s: Schedule, durations: dict[str, float] | None = None, stage_scale: list[float] | None = None,
-             latency: float = 0.0, _validated: bool = False) -> Simulation:
+             latency: float = 0.0) -> Simulation:
     """Play the schedule: each rank runs its actions in order, each as soon as its inputs have arrived.
 
     durations: time per action kind, default F=1, B=2, I=1, W=1 (a backward costs two forwards);
     stage_scale: a factor per stage (a slower stage); latency: added to every message between ranks.
     """
-    if not _validated:
-        validate(s)
+    validate(s)   # the rules first: a broken schedule is named, not played
     d = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, **(durations or {})}
     scale = stage_scale or [1.0] * s.stages
-    backward = {(a.stage, a.mb): a for acts in s.order for a in acts if a.kind in "BI"}
     end: dict[Action, float] = {}
-    pos, free = [0] * s.ranks, [0.0] * s.ranks
+    free = [0.0] * s.ranks
     tl = Timeline()
-    while True:
-        progressed = False
-        for r, acts in enumerate(s.order):
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                deps = _needs(s, a, backward)
-                if any(n not in end for n in deps):
-                    break
-                ready = max([free[r]] + [end[n] + (latency if s.rank_of(n.stage) != r else 0.0)
-                                         for n in deps])
-                end[a] = ready + d[a.kind] * scale[a.stage]
-                tl.add(f"rank {r}", str(a), ready, end[a])
-                free[r], pos[r] = end[a], pos[r] + 1
-                progressed = True
-        if all(pos[r] == len(acts) for r, acts in enumerate(s.order)):
-            break
-        if not progressed:
-            waits = []
-            for r, acts in enumerate(s.order):
-                if pos[r] < len(acts):
-                    a = acts[pos[r]]
-                    missing = [str(n) for n in _needs(s, a, backward) if n not in end]
-                    waits.append(f"rank {r} waits at {a} for {', '.join(missing)}")
-            first = min(r for r in range(s.ranks) if pos[r] < len(s.order[r]))
-            raise ScheduleError("deadlock: every rank waits for another: " + "; ".join(waits) + "\n"
-                                + format_order(s, s.order[first][pos[first]]))
+    for r, a, deps in play_order(s):
+        ready = max([free[r]] + [end[n] + (latency if s.rank_of(n.stage) != r else 0.0) for n in deps])
+        end[a] = ready + d[a.kind] * scale[a.stage]
+        tl.add(f"rank {r}", str(a), ready, end[a])
+        free[r] = end[a]
     makespan = max(free)
     idle = [1.0 - tl.busy(f"rank {r}") / makespan for r in range(s.ranks)]
     return Simulation(s, tl, makespan, idle, peak_held(s))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 from d2lpar.infra.timing import Timeline
-from d2lpar.strategies.pipeline import parse_action
+from d2lpar.strategies.pipeline.schedules import parse_action
 
 __all__ = ["draw_pipeline"]
 

@@ -23,7 +23,7 @@ flat buffer, and afterwards the buffer's storage is resized to 0. Views of it, i
 autograd saved, stay valid and see the data again after the next gather (the trick FSDP uses), so
 at most one unit is gathered at a time (two with ``prefetch``), at the price of a third collective.
 
-Layout (``d2lpar.strategies.flat_shards``): a unit's trainable parameters are views into one flat
+Layout (``d2lpar.strategies.sharded.flat_shards``): a unit's trainable parameters are views into one flat
 buffer padded to N S elements, S = ceil(Psi_unit / N), so every shard has S elements whatever Psi and
 N (3 ranks too); the padding stays zero through AdamW. The formulas take the padded Psi; they equal
 the unpadded ones when N divides every unit. Frozen parameters are not sharded (every rank keeps them).
@@ -37,7 +37,7 @@ from torch import nn
 
 from d2lpar.comm.collectives import ByteCounter, ring_all_gather, ring_rank_bytes, ring_reduce_scatter
 from d2lpar.infra.adamw import AdamW
-from d2lpar.strategies.flat_shards import FlatUnit, padded_numel, shard_size, split_units
+from d2lpar.strategies.sharded.flat_shards import FlatUnit, padded_numel, shard_size, split_units
 
 __all__ = ["STAGES", "shard_size", "padded_numel", "model_state_bytes", "sent_bytes", "ZeroAdamW"]
 

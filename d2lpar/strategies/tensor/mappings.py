@@ -24,8 +24,8 @@ regions shrink t times. Per rank, for a tensor of K bytes (ring algorithms):
 
     all-reduce 2(t-1)K/t,   all-gather (t-1)K/t,   reduce-scatter (t-1)K/t.
 
-The layers built from these functions are in ``d2lpar.strategies.tp_layers`` (column, row, and the seeds'
-channel split of a convolution) and ``d2lpar.strategies.tp_blocks`` (MLP, attention, transformer layer).
+The layers built from these functions are in ``d2lpar.strategies.tensor.layers`` (column, row, and the seeds'
+channel split of a convolution) and ``d2lpar.strategies.tensor.blocks`` (MLP, attention, transformer layer).
 
 Every collective here is recorded by ``count_comms()`` (kind, pass, tensor bytes, group size), so tests
 and notebooks compare counts and bytes with formulas. Layers take ``group=`` (default: the world), so a

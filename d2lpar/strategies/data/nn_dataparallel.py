@@ -35,7 +35,7 @@ from torch.func import functional_call
 
 from d2lpar.processes.checkpoint import unwrap
 from d2lpar.infra.data import split_batch, split_sizes
-from d2lpar.strategies.data_parallel import balanced_sizes, gather
+from d2lpar.strategies.data.data_parallel import balanced_sizes, gather
 from d2lpar.infra.activations import saved_activation_bytes
 
 __all__ = ["SimulatedDataParallel", "BalancedDataParallel", "strip_module_prefix", "unwrap",

@@ -1,7 +1,7 @@
 """Run a pipeline schedule on real ranks: activations go forward, gradients come back, by send/recv.
 
 Each rank holds its stages (stage s on rank s % p) and walks its list of actions from
-``d2lpar.strategies.pipeline``:
+``d2lpar.strategies.pipeline.schedules``:
 
 * ``sF m``: receive micro-batch m's input from stage s-1 (stage 0 slices the batch), run the stage,
   send the output to stage s+1 (the last stage computes the loss instead);
@@ -44,8 +44,8 @@ from d2lpar.infra.activations import SavedTensors
 from d2lpar.infra.data import chunk_bounds
 from d2lpar.infra.timing import Span, Timeline
 from d2lpar.processes.launch import launch
-from d2lpar.strategies.pipeline import Schedule, ScheduleError, split_layers, validate
-from d2lpar.strategies.pipeline_sim import idle_fractions, message_latency
+from d2lpar.strategies.pipeline.schedules import Schedule, ScheduleError, split_layers, validate
+from d2lpar.strategies.pipeline.simulator import idle_fractions, message_latency
 
 __all__ = ["split_model", "check_stages", "run_schedule", "run_pipeline", "PipelineResult",
            "idle_fractions", "message_latency"]

@@ -34,7 +34,7 @@ from d2lpar.comm.overlap import measure
 from d2lpar.infra.device_time import record, set_backward_time, timed_mlp
 from d2lpar.infra.models import mlp
 from d2lpar.infra.timing import Timeline
-from d2lpar.strategies.ddp import DDP
+from d2lpar.strategies.data.ddp import DDP
 
 __all__ = ["overlap_worker", "versus_torch_worker", "sweep_worker", "model_and_data",
            "COMPUTE_OVER_COMM"]

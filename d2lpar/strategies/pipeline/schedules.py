@@ -7,7 +7,7 @@ input, which the previous stage is waiting for) and W (gradient of the weights, 
 for). A **schedule** is, per rank, an ordered list of actions. Stage s lives on rank ``s % p`` (with
 v stages per rank, rank r holds stages r, r+p, r+2p, ...: the *looped* placement of interleaving).
 
-The same lists drive the executor (``pipeline_exec``), the Gantt charts and the bubble and memory
+The same lists drive the executor (``executor``), the Gantt charts and the bubble and memory
 figures. With equal times per stage (tF forward, tB backward) a rank of GPipe or 1F1B is busy
 m (tF + tB) out of a step of (m + p - 1)(tF + tB), so its **idle fraction** is
 
@@ -16,9 +16,10 @@ m (tF + tB) out of a step of (m + p - 1)(tF + tB), so its **idle fraction** is
     ZB-H1, tF = tI = tW:  (p - 1) / (3 m + p - 1)     (m >= p; bubble (p-1)(tF + tI - tW), not (p-1)(tF + tB))
 
 GPipe keeps all m micro-batches' activations until its backwards start; 1F1B starts backwards early
-and stage s never holds more than min(p - s, m). ``validate`` names the first rule a schedule breaks;
-``simulate`` (in ``pipeline_sim``, imported here) plays a schedule with given durations and
-returns its timeline, each rank's idle fraction and each stage's peak number of micro-batches held.
+and stage s never holds more than min(p - s, m). ``validate`` names the first rule a schedule breaks,
+a deadlock included (found by ``play_order``: every rank's list played in order, each action once
+its inputs are done); ``simulator.simulate`` plays the same order with durations and returns its
+timeline, each rank's idle fraction and each stage's peak number of micro-batches held.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 __all__ = ["Action", "Schedule", "ScheduleError", "naive", "gpipe", "one_f_one_b", "interleaved_1f1b",
-           "zb_h1", "SCHEDULES", "make_schedule", "validate", "simulate", "Simulation", "format_order",
+           "zb_h1", "SCHEDULES", "make_schedule", "validate", "play_order", "format_order",
            "split_layers", "parse_action"]
 
 KINDS = "FBIW"
@@ -278,14 +279,33 @@ def validate(s: Schedule) -> Schedule:
             a, prev = backward[(stage - 1, mb)], backward[(stage, mb)]
             if where[a][0] == where[prev][0] and where[a][1] < where[prev][1]:
                 fail(f"B in the reverse order: {a} comes before {prev} on rank {where[a][0]}", a)
-    from d2lpar.strategies.pipeline_sim import simulate
-    simulate(s, _validated=True)   # raises on a deadlock
+    for _ in play_order(s):   # raises on a deadlock
+        pass
     return s
 
 
-def __getattr__(name: str):
-    """``simulate``, ``Simulation`` and ``peak_held`` live in ``pipeline_sim`` and are offered here too."""
-    if name in ("simulate", "Simulation", "peak_held"):
-        from d2lpar.strategies import pipeline_sim
-        return getattr(pipeline_sim, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def play_order(s: Schedule):
+    """Yield ``(rank, action, needs)`` in an order that keeps each rank's list and runs every action
+    after the actions it needs; raise ScheduleError naming what each rank waits for on a deadlock."""
+    backward = {(a.stage, a.mb): a for acts in s.order for a in acts if a.kind in "BI"}
+    done: set[Action] = set()
+    pos = [0] * s.ranks
+    while not all(pos[r] == len(acts) for r, acts in enumerate(s.order)):
+        progressed = False
+        for r, acts in enumerate(s.order):
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                deps = _needs(s, a, backward)
+                if any(n not in done for n in deps):
+                    break
+                yield r, a, deps
+                done.add(a)
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            waits = [f"rank {r} waits at {acts[pos[r]]} for "
+                     + ", ".join(str(n) for n in _needs(s, acts[pos[r]], backward) if n not in done)
+                     for r, acts in enumerate(s.order) if pos[r] < len(acts)]
+            first = min(r for r in range(s.ranks) if pos[r] < len(s.order[r]))
+            raise ScheduleError("deadlock: every rank waits for another: " + "; ".join(waits) + "\n"
+                                + format_order(s, s.order[first][pos[first]]))

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from d2lpar.strategies.tensor_parallel import (all_gather_seq, check_same_shape, copy_to_region,
+from d2lpar.strategies.tensor.mappings import (all_gather_seq, check_same_shape, copy_to_region,
                                                gather_from_region, reduce_from_region,
                                                reduce_scatter_seq, require_divisible,
                                                scatter_to_region, shard, tp_world)

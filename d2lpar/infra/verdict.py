@@ -1,0 +1,68 @@
+"""Sentences about timings, written by the code from the numbers it just measured.
+
+A notebook that says "the copy hid behind the compute" in markdown is right on a quiet machine and
+wrong on a busy one. The course prints such conclusions instead, from the figures of the same run,
+so that what the reader sees always agrees with the numbers above it. Each function returns one line.
+
+* ``overlap_verdict(overlapped, a, b)``: two jobs of times a and b run together in ``overlapped``;
+  the limit is max(a, b) (perfect overlap), one after the other is a + b. The verdict reads the
+  ratio r = overlapped / max(a, b) against that range, and the share of the shorter job that hid:
+  hidden = (a + b - overlapped) / min(a, b).
+* ``compare_verdict(name_a, a, name_b, b)``: which of two times is shorter, and whether the
+  difference is larger than the run-to-run spread given (default 5 %).
+* ``agreement_verdict(measured, predicted, tolerance)``: whether a measurement is within a stated
+  tolerance of a formula or a model, with the gap printed.
+"""
+
+from __future__ import annotations
+
+__all__ = ["overlap_verdict", "hidden_fraction", "compare_verdict", "agreement_verdict"]
+
+
+def hidden_fraction(overlapped: float, a: float, b: float) -> float:
+    """Share of the shorter job that disappeared behind the longer one: 1 perfect, 0 none."""
+    _positive(a=a, b=b, overlapped=overlapped)
+    return (a + b - overlapped) / min(a, b)
+
+
+def overlap_verdict(overlapped: float, a: float, b: float, what: str = "transfer",
+                    behind: str = "compute", close: float = 0.15) -> str:
+    """One line on how much of ``what`` (time b) hid behind ``behind`` (time a) in this run.
+
+    ``close``: within this fraction above the limit counts as fully overlapped (timer noise).
+    """
+    limit, serial = max(a, b), a + b
+    ratio, hidden = overlapped / limit, hidden_fraction(overlapped, a, b)
+    figures = f"({ratio:.2f}x the limit, {serial / limit:.2f}x one after the other)"
+    if ratio <= 1 + close:
+        return f"overlapped {figures}: the {what} hid behind the {behind}"
+    if hidden <= 0.15:
+        return f"no overlap in this run {figures}: they did not run at once"
+    return f"partly overlapped {figures}: {hidden:.0%} of the shorter one hid"
+
+
+def compare_verdict(name_a: str, a: float, name_b: str, b: float, spread: float = 0.05) -> str:
+    """``"<a> took 0.52x the time of <b>"``, or that they are equal within ``spread``."""
+    _positive(**{name_a: a, name_b: b})
+    ratio = a / b
+    if abs(ratio - 1) <= spread:
+        return f"{name_a} and {name_b} took the same time within {spread:.0%} ({ratio:.2f}x)"
+    word = "less" if ratio < 1 else "more"
+    return f"{name_a} took {ratio:.2f}x the time of {name_b} ({word} time, beyond the {spread:.0%} spread)"
+
+
+def agreement_verdict(what: str, measured: float, predicted: float, tolerance: float,
+                      unit: str = "") -> str:
+    """Whether ``measured`` is within ``tolerance`` (absolute, in ``unit``) of ``predicted``."""
+    gap = measured - predicted
+    figures = f"measured {measured:.3f}{unit}, predicted {predicted:.3f}{unit}, gap {gap:+.3f}{unit}"
+    if abs(gap) <= tolerance:
+        return f"{what} agrees with the prediction: {figures} (within {tolerance:g}{unit})"
+    side = "above" if gap > 0 else "below"
+    return f"{what} is {side} the prediction: {figures} (more than {tolerance:g}{unit})"
+
+
+def _positive(**times: float) -> None:
+    bad = [f"{k}={v!r}" for k, v in times.items() if not v > 0]
+    if bad:
+        raise ValueError(f"a verdict needs positive times; got {', '.join(bad)}: time the runs first")

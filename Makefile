@@ -19,7 +19,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 # instructor's plain `pytest --nbval-lax notebooks/` runs exactly as `make test` does.
 NBVAL_OPTS := --nbval-lax
 
-.PHONY: setup lab test unit notebooks notebooks-one execute bench info clean
+.PHONY: setup lab test unit notebooks notebooks-one execute bench info gpu clean
 
 setup: $(VENV)/.installed
 
@@ -56,6 +56,11 @@ execute: setup
 
 notebooks-one: setup
 	$(PY) -m pytest -q $(NBVAL_OPTS) $(NB)
+
+# On a machine with CUDA: the CUDA tests, every notebook under nbval and bench overlap, one line each,
+# the whole output in build/gpu/report.md. Without CUDA it says so and exits 0.
+gpu: setup
+	$(PY) -m d2lpar gpu
 
 info: setup
 	$(PY) -m d2lpar info

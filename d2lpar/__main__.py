@@ -1,4 +1,5 @@
-"""``python -m d2lpar info``, ``python -m d2lpar bench <name>`` and ``python -m d2lpar quiet``."""
+"""``python -m d2lpar info``, ``python -m d2lpar bench <name>``, ``python -m d2lpar gpu`` and
+``python -m d2lpar quiet``."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m d2lpar", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="what this machine has and what the course will simulate")
+    gpu = sub.add_parser("gpu", help="on a CUDA machine: CUDA tests, notebooks and bench overlap, "
+                         "with a report under build/gpu")
+    gpu.add_argument("rest", nargs=argparse.REMAINDER, help="options (--parts ...)")
     sub.add_parser("quiet", help="exit 1, saying why, when the machine is too busy to time anything")
     bench = sub.add_parser("bench", help="benchmarks that print figures")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
@@ -30,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         from d2lpar.info import machine_report
         print(machine_report())
         return 0
+    if args.command == "gpu":
+        from d2lpar.gpu_report import main as gpu_main
+        return gpu_main(args.rest)
     if args.command == "quiet":
         from d2lpar.infra.timing import quiet_or_exit
         return quiet_or_exit()

@@ -20,12 +20,19 @@ def warm_launcher():
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Send the test modules' workers to the ranks by value, as a notebook's are.
+    """Skip the tests marked ``cuda`` without a GPU; send the test modules' workers to the ranks by
+    value, as a notebook's are.
 
     By reference, each rank would import the test module, and pytest with it, to find a worker by
     name: about a second per rank and launch on two cores. cloudpickle keeps a class sent by value
     the same class when an instance of it comes back.
     """
     import cloudpickle
+    import torch
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (make gpu runs it on a machine with one)")
+        for item in items:
+            if item.get_closest_marker("cuda"):
+                item.add_marker(skip)
     for module in {item.module for item in items if getattr(item, "module", None) is not None}:
         cloudpickle.register_pickle_by_value(module)

@@ -328,3 +328,19 @@ def test_a_script_without_a_main_guard_then_killed_hard(tmp_path):
         time.sleep(0.05)
     assert _with_marker(marker) == [], "a forkserver or rank outlived its caller by 5 s"
     assert (tmp_path / "out.txt").read_text().count("results [2.0, 2.0]") == 1
+
+
+def test_a_long_run_shows_its_progress_while_it_runs(no_strays, capsys):
+    def slow():
+        import time
+        print("step 1 of 2")
+        time.sleep(2.5)
+        return "done"
+
+    assert launch(slow, 2, progress=0.5) == ["done", "done"]
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("launch: still running"))
+    assert re.fullmatch(r"launch: still running after \d+ s: rank\(s\) 0, 1 of 2; "
+                        r"rank 0 last printed: step 1 of 2", line), out
+    assert launch(slow, 2, progress=None) == ["done", "done"]
+    assert "still running" not in capsys.readouterr().out

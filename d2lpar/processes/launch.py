@@ -15,7 +15,9 @@ How it differs from ``torch.multiprocessing.spawn``:
 * The rendezvous store is held by the caller on a free loopback port (no port race), and the
   backend is chosen for you: NCCL only when each rank gets a GPU of its own, gloo otherwise.
 * Each rank's output, down to the file descriptors (C++ warnings, gloo and NCCL messages,
-  subprocesses), goes to a log file; the caller prints it after the run, rank by rank.
+  subprocesses), goes to a log file; the caller prints it after the run, rank by rank. While a run
+  lasts, the caller prints a progress line every few seconds (which ranks still run, and the last
+  line the first of them printed), so that work and a hang look different.
 * Failures surface in the caller as one error that names the root cause, the rank that failed first
   or was killed, with the others listed as consequences, the last lines of every rank's output and
   the paths of the full logs (see ``ranklog``). A run that exceeds ``timeout`` raises
@@ -169,7 +171,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
            timeout: float = 120.0, threads_per_rank: int = 1, capture_output: bool = True,
            quiet: bool = False, init_process_group: bool = True, master_addr: str = "127.0.0.1",
            master_port: int = 0, env: dict[str, str] | None = None,
-           fn_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> list[Any]:
+           fn_kwargs: dict[str, Any] | None = None, progress: float | None = 3.0,
+           **kwargs: Any) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the list of their return values.
 
     backend: 'auto' (NCCL with one GPU per rank, else gloo), 'gloo' or 'nccl'.
@@ -184,6 +187,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK set for ``init_method='env://'``.
     env: variables set in the ranks on top of the caller's environment (which they get as it is now).
     fn_kwargs: keyword arguments for ``fn`` whose names are also options of launch (``timeout``...).
+    progress: seconds after which, and then every ``PROGRESS_EVERY`` seconds, a line says which ranks
+        still run and what the first of them printed last (None: no progress lines).
     """
     fn_kwargs = dict(fn_kwargs or {})
     if set(fn_kwargs) & set(kwargs):
@@ -228,7 +233,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
                 readers.append(reader)
                 p.start()
                 writer.close()
-        results = _collect(procs, readers, world_size, timeout, logs, capture_output)
+        results = _collect(procs, readers, world_size, timeout, logs, capture_output, progress)
         done = True
     finally:
         _stop(procs)
@@ -263,9 +268,27 @@ def _receive(proc, reader, obj) -> tuple:
     return ("died", f"the process {why} before returning a result", time.time())
 
 
-def _collect(procs, readers, world_size: int, timeout: float, logs, captured: bool) -> list[Any]:
+PROGRESS_EVERY = 5.0   # seconds between two progress lines, after the first
+
+
+def progress_line(elapsed: float, pending: set[int], world_size: int, last: str) -> str:
+    """``launch: still running after 6 s: ranks 0, 1 of 4; rank 0 last printed: step 3``."""
+    ranks = ", ".join(str(r) for r in sorted(pending))
+    said = f"; rank {min(pending)} last printed: {last[:50]}" if last else ""
+    return f"launch: still running after {elapsed:.0f} s: rank(s) {ranks} of {world_size}{said}"
+
+
+def _last_line(logs, rank: int) -> str:
+    lines = [ln.strip() for ln in logs.output(rank).splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def _collect(procs, readers, world_size: int, timeout: float, logs, captured: bool,
+             progress: float | None = None) -> list[Any]:
     """Wait for every rank's message; raise once the failures are in, or at the deadline."""
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = start + timeout
+    tick = start + progress if progress is not None else float("inf")
     results: list[Any] = [None] * world_size
     failures: list[ranklog.Failure] = []
     pending = set(range(world_size))
@@ -275,11 +298,16 @@ def _collect(procs, readers, world_size: int, timeout: float, logs, captured: bo
         if first_failure is not None:  # the others get a moment to report; more if no cause yet
             known_cause = any(not f.consequence for f in failures)
             end = min(deadline, first_failure + (0.5 if known_cause else 2.0))
-        if time.monotonic() >= end:
+        now = time.monotonic()
+        if now >= end:
             break
+        if now >= tick and first_failure is None:
+            last = _last_line(logs, min(pending)) if captured else ""
+            print(progress_line(now - start, pending, world_size, last), flush=True)
+            tick = now + PROGRESS_EVERY
         waitables = {readers[r]: r for r in pending}
         waitables.update({procs[r].sentinel: r for r in pending})
-        for obj in mp.connection.wait(list(waitables), timeout=end - time.monotonic()):
+        for obj in mp.connection.wait(list(waitables), timeout=max(0.0, min(end, tick) - now)):
             rank = waitables[obj]
             if rank not in pending:
                 continue

@@ -26,6 +26,8 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH)
+	@# d2l goes in last and without its stale pins; out first, so that pip never sees its conflicts
+	@$(PY) -m pip uninstall --quiet --yes d2l 2>/dev/null || true
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet --no-deps $(D2L)
 	touch $@

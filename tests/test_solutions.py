@@ -19,12 +19,17 @@ NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 SOLUTIONS = NOTEBOOKS / "solutions"
 
 
-def exercise_count(notebook: Path) -> int:
-    """Numbered items in the markdown after the notebook's "Exercises" heading (0 if none)."""
+def exercises_section(notebook: Path) -> str:
+    """The markdown under the notebook's "Exercises" heading, up to the next heading ('' if none)."""
     cells = json.loads(notebook.read_text())["cells"]
     text = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
     found = re.search(r"^#+\s*Exercises\s*$(.*?)(?=^#+\s|\Z)", text, re.M | re.S)
-    return len(re.findall(r"^\d+\.\s", found.group(1), re.M)) if found else 0
+    return found.group(1) if found else ""
+
+
+def exercise_count(notebook: Path) -> int:
+    """Numbered items in the markdown after the notebook's "Exercises" heading (0 if none)."""
+    return len(re.findall(r"^\d+\.\s", exercises_section(notebook), re.M))
 
 
 def _cases():
@@ -42,6 +47,13 @@ def test_every_notebook_has_exercises_and_a_solution_for_each(notebook):
     names = sorted(n for n in runpy.run_path(str(path)) if re.fullmatch(r"exercise_\d+", n))
     assert names == sorted(f"exercise_{k}" for k in range(1, count + 1)), \
         f"{notebook}: {count} exercises in the notebook, solutions define {names}"
+
+
+@pytest.mark.parametrize("notebook", sorted(p.stem for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")))
+def test_every_exercises_section_links_its_solutions_file(notebook):
+    link = f"(solutions/{notebook}.py)"
+    assert link in exercises_section(NOTEBOOKS / f"{notebook}.ipynb"), \
+        f"{notebook}: its Exercises section should link its worked solutions, as [...]{link}"
 
 
 _loaded: dict[str, dict] = {}

@@ -344,3 +344,73 @@ def test_a_long_run_shows_its_progress_while_it_runs(no_strays, capsys):
                         r"rank 0 last printed: step 1 of 2", line), out
     assert launch(slow, 2, progress=None) == ["done", "done"]
     assert "still running" not in capsys.readouterr().out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _start_child(then: str):
+    def worker():
+        import subprocess
+        child = subprocess.Popen(["sleep", "60"])
+        if then == "raise":
+            raise RuntimeError(f"child {child.pid} started")
+        if then == "hang":
+            print(f"child {child.pid}", flush=True)
+            time.sleep(60)
+        return child.pid
+    return worker
+
+
+@needs_proc
+@pytest.mark.parametrize("then", ["return", "raise", "hang"])
+def test_what_a_rank_started_ends_with_the_launch(no_strays, then):
+    if then == "return":
+        pids = launch(_start_child(then), 2)
+    else:
+        with pytest.raises((RankFailed, LaunchTimeout)) as info:
+            launch(_start_child(then), 2, timeout=4)
+        pids = [int(p) for p in re.findall(r"child (\d+)", str(info.value))]
+    assert pids and all(p > 0 for p in pids)
+    deadline = time.monotonic() + 3
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if _alive(p)], f"children of ranks outlived launch(): {pids}"
+
+
+@needs_proc
+def test_ranks_holding_the_gil_and_their_children_end_with_a_killed_caller(tmp_path):
+    # Each rank starts a `sleep`, then sums in C with the GIL held: its watch thread cannot run.
+    script = tmp_path / "gil.py"
+    script.write_text(textwrap.dedent(f"""
+        import pathlib, subprocess
+        import torch.distributed as dist
+        from d2lpar.processes.launch import launch
+        def busy():
+            child = subprocess.Popen(["sleep", "120"])
+            pathlib.Path({str(tmp_path)!r}, f"up{{dist.get_rank()}}").write_text(str(child.pid))
+            return sum(range(10 ** 11))
+        launch(busy, 2, timeout=200)
+    """))
+    marker = uuid.uuid4().hex
+    caller = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, env={**os.environ, "D2LPAR_TEST_MARK": marker})
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("up*"))) < 2 and time.monotonic() < deadline:
+            assert caller.poll() is None, "the caller ended early"
+            time.sleep(0.05)
+        time.sleep(0.3)   # the ranks are inside sum() now
+        children = [int(p.read_text()) for p in tmp_path.glob("up*")]
+    finally:
+        caller.kill()
+        caller.wait()
+    killed = time.monotonic()
+    while (_with_marker(marker) or any(_alive(p) for p in children)) and time.monotonic() - killed < 5:
+        time.sleep(0.05)
+    assert _with_marker(marker) == [], "a forkserver, a rank or its child outlived its caller by 5 s"

@@ -22,8 +22,11 @@ How it differs from ``torch.multiprocessing.spawn``:
   or was killed, with the others listed as consequences, the last lines of every rank's output and
   the paths of the full logs (see ``ranklog``). A run that exceeds ``timeout`` raises
   ``LaunchTimeout`` showing where each unfinished rank was waiting (its Python stack).
-* No process outlives the call, nor the caller: a rank exits when the caller dies, even by SIGKILL,
-  and the forkserver follows once its ranks are gone.
+* No process outlives the call, nor the caller: each rank leads a process group of its own, ended
+  with the call, so what a rank started (a ``subprocess``, a ``sleep``) ends with it too; when the
+  caller dies, even by SIGKILL, the kernel tells the forkserver, which ends every rank's group
+  (``forkserver_guard``: no rank needs its Python thread for it, so a rank busy in C code holding
+  the GIL ends as promptly as an idle one).
 * The group is closed with a barrier before ``destroy_process_group`` (without it, gloo ranks
   sometimes abort at exit).
 
@@ -102,8 +105,10 @@ def _forkserver():
             # launcher (the benches, the course's modules) then finds it already loaded.
             # torch._dynamo: the first torch.optim optimizer or DDP built in a process imports
             # torch's compiler, 2 s of CPU per rank per launch on 2 cores; once here, 2 s in all.
+            # forkserver_guard: the forkserver ends, and ends its ranks' groups, with the caller.
             _context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
-                                             "cloudpickle", "d2lpar.processes.launch"])
+                                             "cloudpickle", "d2lpar.processes.launch",
+                                             "d2lpar.processes.forkserver_guard"])
         else:  # Windows: no fork at all, so each rank starts Python and imports torch
             _context = mp.get_context("spawn")
     return _context
@@ -124,6 +129,7 @@ def _open_store(addr: str, port: int, world_size: int, timeout_s: float):
 
 
 def _stop(procs) -> None:
+    """End the ranks, then whatever they started: each rank leads a process group of its own."""
     procs = [p for p in procs if p.pid is not None]  # a rank whose start failed has nothing to stop
     for p in procs:
         if p.is_alive():
@@ -134,6 +140,10 @@ def _stop(procs) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+    if hasattr(os, "killpg"):
+        for p in procs:   # a subprocess or a `sleep` a rank started, still running without it
+            with contextlib.suppress(OSError):
+                os.killpg(p.pid, signal.SIGKILL)
 
 
 def _check_arguments(fn, world_size, timeout, env, args, kwargs) -> None:

@@ -10,9 +10,11 @@ caller. ``main`` replaces each piece before calling ``fn``:
   as well as Python's (``capture_fds``); ``flush_all`` empties the C library's buffers at the end;
 * ``faulthandler`` is armed on SIGUSR1 and writes the Python stack of every thread to
   ``rank<r>.stack`` when the caller asks (``arm_stack_dump``);
+* the rank leads a process group of its own, so that the launcher can end what it started;
 * a thread waits on the *parent sentinel*, a pipe that only the caller holds open, and ends the
-  rank when the caller is gone, even after a SIGKILL (``_exit_with_caller``); on Linux the kernel
-  also kills the rank when the forkserver ends (``PR_SET_PDEATHSIG``).
+  rank's group when the caller is gone, even after a SIGKILL (``_exit_with_caller``); on Linux the
+  kernel also kills the rank when the forkserver ends (``PR_SET_PDEATHSIG``), and the forkserver
+  ends with the caller (``forkserver_guard``).
 
 The result or the traceback goes back to the caller through a pipe; see ``launch`` and ``ranklog``.
 """
@@ -63,6 +65,8 @@ def _exit_with_caller() -> None:
 
     def watch():
         mp.connection.wait([sentinel])
+        if hasattr(os, "killpg"):
+            os.killpg(0, signal.SIGKILL)   # the rank's group: itself and what it started
         os._exit(70)
     threading.Thread(target=watch, name="d2lpar-caller-watch", daemon=True).start()
 
@@ -70,6 +74,8 @@ def _exit_with_caller() -> None:
 def main(rank: int, world_size: int, payload: bytes, conn, env: dict, backend: str, threads: int,
          timeout_s: float, log: str, stack: str, capture: bool, init_group: bool) -> None:
     """The body of rank ``rank``: set it up as the docstring says, run ``fn``, send what came of it."""
+    if hasattr(os, "setpgid"):
+        os.setpgid(0, 0)   # a group of its own: what the rank starts can be ended with it
     _set_parent_death_signal()
     _exit_with_caller()
     os.environ.clear()

@@ -135,7 +135,7 @@ def model_bytes(module: nn.Module, example: torch.Tensor) -> dict[str, int]:
 
 def memory_per_device(sizes: Sequence[int], P: int, a: int, o: int,
                       optimizer_slots: int = 1) -> list[dict[str, int]]:
-    """Bytes each device holds in one ``nn.DataParallel`` training step (formula in the docstring)."""
+    """Bytes each device holds in one ``nn.DataParallel`` training step (the module's formula)."""
     B, rows = sum(sizes), []
     for i, b in enumerate(sizes):
         row = {"parameters": P, "gradients": P, "optimizer": optimizer_slots * P if i == 0 else 0,
@@ -156,9 +156,9 @@ def best_gpu0_bsz(batch: int, n: int, P: int, a: int, o: int, optimizer_slots: i
 def traffic_per_step(param_bytes: int, k: int, input_bytes: int, output_bytes: int) -> dict:
     """Bytes through device 0's link per step: ``nn.DataParallel`` against DDP (ring, per device).
 
-    DataParallel copies the parameters out (k-1)P, the inputs out and the outputs in (the parts that
-    belong to the other k-1 devices) and sums the gradients in (k-1)P, every step; DDP moves only the
-    ring all-reduce's 2(k-1)P/k per device, overlapped with the backward pass.
+    DataParallel copies the parameters out (k-1)P, the inputs out and the outputs in (the parts
+    that belong to the other k-1 devices) and sums the gradients in (k-1)P, every step; DDP moves
+    only the ring all-reduce's 2(k-1)P/k per device, overlapped with the backward pass.
     """
     share = (k - 1) / k
     return {"DataParallel": int(2 * (k - 1) * param_bytes + share * (input_bytes + output_bytes)),

@@ -126,7 +126,7 @@ def test_bad_arguments_fail_in_the_caller(nothing_starts):
         launch(_all_reduce, 2)
     with pytest.raises(LaunchError, match="too many positional arguments"):
         launch(_all_reduce, 2, 1, 2)
-    with pytest.raises(LaunchError, match="timeout must be a positive number"):
+    with pytest.raises(LaunchError, match="timeout must be a positive, finite number"):
         launch(_all_reduce, 2, 1, timeout=0)
 
     def wait(timeout):
@@ -414,3 +414,33 @@ def test_ranks_holding_the_gil_and_their_children_end_with_a_killed_caller(tmp_p
     while (_with_marker(marker) or any(_alive(p) for p in children)) and time.monotonic() - killed < 5:
         time.sleep(0.05)
     assert _with_marker(marker) == [], "a forkserver, a rank or its child outlived its caller by 5 s"
+
+
+@pytest.mark.parametrize("option, value, said", [
+    ("timeout", float("nan"), "timeout must be a positive, finite number"),
+    ("timeout", float("inf"), "timeout must be a positive, finite number"),
+    ("threads_per_rank", 0, "threads_per_rank must be a whole number >= 1"),
+    ("threads_per_rank", -1, "threads_per_rank must be a whole number >= 1"),
+    ("threads_per_rank", "2", "threads_per_rank must be a whole number >= 1"),
+    ("threads_per_rank", 1.5, "threads_per_rank must be a whole number >= 1"),
+    ("master_port", 70000, "master_port must be a port number from 0 to 65535"),
+    ("master_port", -1, "master_port must be a port number from 0 to 65535"),
+    ("master_addr", "no-such-host.invalid", "master_addr 'no-such-host.invalid' does not resolve"),
+    ("master_addr", "192.0.2.1", "master_addr '192.0.2.1' is not an address of this machine"),
+])
+def test_bad_launcher_options_are_named_before_anything_starts(nothing_starts, option, value, said):
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=re.escape(said)) as info:
+        launch(_rank_and_size, 2, **{option: value}, timeout=5) if option != "timeout" else \
+            launch(_rank_and_size, 2, timeout=value)
+    assert "\n" not in str(info.value) and time.monotonic() - start < 5
+
+
+def test_a_huge_message_from_a_rank_is_cut_in_the_error(no_strays):
+    def worker():
+        print("x" * 2_000_000)
+        raise ValueError("y" * 1_000_000)
+    with pytest.raises(RankFailed) as info:
+        launch(worker, 1)
+    text = str(info.value)
+    assert len(text) < 20_000 and "characters cut" in text and "ValueError: yyy" in text

@@ -39,7 +39,9 @@ launch) and there is no signal to ask a rank for its stack, so a timeout cannot 
 from __future__ import annotations
 
 import contextlib
+import errno
 import inspect
+import math
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -114,16 +116,30 @@ def _forkserver():
     return _context
 
 
+def _check_address(addr: str, port: int) -> None:
+    """The rendezvous is hosted here: ``addr`` must resolve to an address of this machine, and
+    ``port`` (0: any free one) must be free on it. Said in one sentence, before anything starts."""
+    try:
+        family = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)[0][0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise LaunchError(f"master_addr {addr!r} does not resolve ({getattr(e, 'strerror', e)}): "
+                          "the launcher hosts the rendezvous on this machine, so give '127.0.0.1' "
+                          "or a name of this machine") from None
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise LaunchError(f"port {port} on {addr} is in use: pass master_port=0 to let the "
+                                  "launcher pick a free port, or choose another") from None
+            raise LaunchError(f"master_addr {addr!r} is not an address of this machine ({e.strerror}): "
+                              "the launcher hosts the rendezvous here, so give '127.0.0.1' or one "
+                              "of this machine's addresses") from None
+
+
 def _open_store(addr: str, port: int, world_size: int, timeout_s: float):
     """Host the rendezvous store in the caller: binding port 0 picks a free port with no race."""
     import torch.distributed as dist
-    if port:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((addr, port))
-            except OSError:
-                raise LaunchError(f"port {port} on {addr} is in use: pass master_port=0 to let the "
-                                  "launcher pick a free port, or choose another") from None
     return dist.TCPStore(addr, port, world_size, is_master=True,
                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
@@ -146,7 +162,8 @@ def _stop(procs) -> None:
                 os.killpg(p.pid, signal.SIGKILL)
 
 
-def _check_arguments(fn, world_size, timeout, env, args, kwargs) -> None:
+def _check_arguments(fn, world_size, timeout, env, args, kwargs, threads_per_rank=1,
+                     master_port=0) -> None:
     """Refuse, in the caller and before any process starts, what would only fail in the ranks."""
     if not callable(fn):
         raise LaunchError(f"fn must be the function each rank runs, got {type(fn).__name__} "
@@ -154,8 +171,15 @@ def _check_arguments(fn, world_size, timeout, env, args, kwargs) -> None:
                           "not launch(worker(x), 2)")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise LaunchError(f"world_size must be a whole number >= 1, got {world_size!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise LaunchError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout)
+            or timeout <= 0):
+        raise LaunchError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
+    if isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int) or threads_per_rank < 1:
+        raise LaunchError(f"threads_per_rank must be a whole number >= 1 (torch threads per rank), "
+                          f"got {threads_per_rank!r}")
+    if isinstance(master_port, bool) or not isinstance(master_port, int) or not 0 <= master_port <= 65535:
+        raise LaunchError(f"master_port must be a port number from 0 to 65535 (0: a free one), "
+                          f"got {master_port!r}")
     if env is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise LaunchError("env must map names to strings, e.g. env={'NCCL_DEBUG': 'INFO'}")
     try:
@@ -205,7 +229,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         raise LaunchError(f"{sorted(set(fn_kwargs) & set(kwargs))} given both as keywords and in "
                           "fn_kwargs: give each once")
     kwargs.update(fn_kwargs)
-    _check_arguments(fn, world_size, timeout, env, args, kwargs)
+    _check_arguments(fn, world_size, timeout, env, args, kwargs, threads_per_rank, master_port)
+    _check_address(master_addr, master_port)
     chosen, reason = choose_backend(world_size, backend)
     if backend == "auto" and (chosen, reason) not in _said:
         _said.add((chosen, reason))

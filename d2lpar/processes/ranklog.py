@@ -55,6 +55,18 @@ class LaunchError(RuntimeError):
     """The ranks could not be started, or did not finish."""
 
 
+MAX_CHARS = 6000       # at most this many characters of one text (traceback, output) in an error
+MAX_LINE = 400         # and of one line of a rank's output
+
+
+def clip(text: str, limit: int = MAX_CHARS, where: str = "the rank's log") -> str:
+    """``text`` cut to about ``limit`` characters (its start and its end), saying how much was cut."""
+    if len(text) <= limit:
+        return text
+    head, tail = text[: limit // 3], text[-(limit - limit // 3):]
+    return f"{head}\n[... {len(text) - limit:,} characters cut: the whole text is in {where} ...]\n{tail}"
+
+
 class RankFailed(LaunchError):
     """A rank raised an exception or died.
 
@@ -68,14 +80,14 @@ class RankFailed(LaunchError):
         self.rank, self.world_size = rank, world_size
         self.remote_traceback, self.output = remote_traceback, output
         self.consequences, self.logs = dict(consequences or {}), logs
-        text = f"rank {rank} of {world_size} failed:\n\n{remote_traceback.rstrip()}"
+        text = f"rank {rank} of {world_size} failed:\n\n{clip(remote_traceback.rstrip())}"
         if self.consequences:
             text += "\n\nThen, as a consequence:" + "".join(
-                f"\n  rank {r}: {why}" for r, why in sorted(self.consequences.items()))
+                f"\n  rank {r}: {clip(why, MAX_LINE)}" for r, why in sorted(self.consequences.items()))
         if detail:
             text += "\n\n" + detail
         elif output.strip():
-            text += f"\n\nrank {rank} printed:\n{output.rstrip()}"
+            text += f"\n\nrank {rank} printed:\n{clip(output.rstrip())}"
         super().__init__(text)
 
 
@@ -116,7 +128,7 @@ class RunLogs:
 
     def tail(self, rank: int, n: int = TAIL_LINES) -> str:
         lines = printed(self.output(rank)).rstrip("\n").splitlines()
-        return "\n".join(lines[-n:]) if lines else ""
+        return "\n".join(clip(line, MAX_LINE, str(self.log(rank))) for line in lines[-n:]) if lines else ""
 
     def stack_text(self, rank: int) -> str:
         try:

@@ -39,7 +39,8 @@ import torch.distributed as dist
 from d2lpar.infra.data import chunk_bounds
 
 __all__ = ["ByteCounter", "RingStep", "ring_schedule", "ring_reduce_scatter",
-           "ring_all_gather", "ring_all_reduce", "free_workspace", "ring_bytes", "ring_rank_bytes", "ring_rank_formula",
+           "ring_all_gather", "ring_all_reduce", "free_workspace", "ring_bytes", "ring_rank_bytes",
+           "ring_rank_formula",
            "all_to_all", "all_to_all_bytes", "holdings"]
 
 
@@ -124,8 +125,8 @@ def _ring(flat: torch.Tensor, phases: tuple[str, ...], counter: ByteCounter, seg
 
     Each chunk is cut into ``segments`` pieces. A piece is forwarded as soon as it has arrived (and,
     in reduce-scatter, been added), so piece j of step s+1 travels while piece j+1 of step s is
-    still on its way: adding overlaps communication and no step waits for a whole chunk. Messages carry
-    tag = step * segments + piece, so they can never be matched to the wrong receive.
+    still on its way: adding overlaps communication and no step waits for a whole chunk. Messages
+    carry tag = step * segments + piece, so they can never be matched to the wrong receive.
     """
     rank, n = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % n, (rank - 1) % n
@@ -213,7 +214,7 @@ def ring_all_reduce(tensor: torch.Tensor, counter: ByteCounter | None = None,
 
 def all_to_all(output: torch.Tensor, tensor: torch.Tensor,
                counter: ByteCounter | None = None) -> torch.Tensor:
-    """Chunk j of this rank's ``tensor`` goes to rank j; chunk r of rank j's lands in ``output`` chunk j.
+    """This rank's chunk j goes to rank j; rank j's chunk r lands in this rank's ``output`` chunk j.
 
     The same result as ``dist.all_to_all_single(output, tensor)``, from N-1 ``isend``/``irecv``
     pairs posted at once (own chunk copied locally). The tensor must split into N equal chunks.
@@ -222,7 +223,8 @@ def all_to_all(output: torch.Tensor, tensor: torch.Tensor,
     src, dst = _flat(tensor), _flat(output)
     if src.numel() % n or dst.numel() != src.numel():
         raise ValueError(f"all_to_all cuts the tensor into {n} equal chunks: got {src.numel()} "
-                         f"elements in and {dst.numel()} out; pad both to a multiple of {n}, same size")
+                         f"elements in and {dst.numel()} out; pad both to a multiple of {n}, "
+                         "same size")
     counter = counter or ByteCounter()
     ins, outs = src.chunk(n), dst.chunk(n)
     outs[rank].copy_(ins[rank])

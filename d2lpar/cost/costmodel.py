@@ -132,7 +132,7 @@ def training_work(model, X, y) -> tuple[float, int]:
 
 
 def allreduce_time(strategy: str, nbytes: float, n: int, machine: Machine) -> float | None:
-    """Predicted seconds to all-reduce ``nbytes`` per device over n devices; None if not possible."""
+    """Predicted seconds to all-reduce ``nbytes`` per device over n devices (None: not possible)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
     if n < 1:

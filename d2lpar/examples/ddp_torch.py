@@ -1,0 +1,135 @@
+"""DistributedDataParallel training in one file, torch only: copy it into a project and edit it.
+
+torch only: no d2lpar. Synthetic data from a fixed seed (runs compare weight for weight): put your
+own data and model in ``make_data_and_model``. On CPUs (gloo) or a GPU per process (NCCL), as is:
+
+    python ddp_torch.py --out ckpt                                    # one plain process
+    torchrun --standalone --nproc-per-node=2 ddp_torch.py --out ckpt  # one node, 2 processes
+    torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST0:29400 \\
+        --rdzv-id=job42 --max-restarts=3 ddp_torch.py --out ckpt     # the same line on every node
+    MASTER_ADDR=HOST0 MASTER_PORT=29500 srun --ntasks-per-node=8 python ddp_torch.py --out ckpt
+
+The path: environment -> set_device -> init_process_group -> DDP -> DistributedSampler with
+set_epoch -> rank 0 saves model.module -> barrier -> destroy_process_group. ``--batch-size`` is the
+global batch: W ranks take B/W each, DDP averages their gradients, so W ranks end with one process's
+weights (to rounding). Every rank resumes from the last epoch's checkpoint (``--max-restarts``).
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+class Usage(Exception):  # bad input: printed as one sentence, without a traceback
+    pass
+
+
+def who_am_i() -> tuple[int, int, int]:
+    """(rank, world size, local rank): torchrun's variables, else SLURM's, else one process."""
+    env = os.environ
+    if "RANK" in env or "WORLD_SIZE" in env:  # torchrun and the legacy launcher
+        names = ["RANK", "WORLD_SIZE", "LOCAL_RANK"]
+    elif "SLURM_PROCID" in env:  # srun: one task per process
+        names = ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"]
+    else:
+        return 0, 1, 0
+    if int(env.get(names[1], 2)) > 1:  # more than one process: they must meet at rank 0's host
+        names += ["MASTER_ADDR", "MASTER_PORT"]
+    if missing := [name for name in names if not env.get(name)]:
+        raise Usage(f"{', '.join(missing)} not set: start with torchrun, or set them in the job "
+                    f"script (MASTER_ADDR: rank 0's host, MASTER_PORT: a free port)")
+    return int(env[names[0]]), int(env[names[1]]), int(env[names[2]])
+
+
+def make_data_and_model(n: int, seed: int) -> tuple[TensorDataset, nn.Module]:
+    """n examples of 16 features, the class is the argmax of a fixed random map; a small MLP."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, 16, generator=g)
+    torch.manual_seed(seed)  # the same start on every rank (DDP also broadcasts rank 0's weights)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    return TensorDataset(X, (X @ torch.randn(16, 4, generator=g)).argmax(1)), model
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description="Minimal DDP training (torch only).")
+    p.add_argument("--out", required=True, help="folder for last.pt, visible to every node")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=32, help="global batch, split over the ranks")
+    p.add_argument("--examples", type=int, default=1024, help="size of the data set")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--local-rank", "--local_rank", help=argparse.SUPPRESS)  # legacy: LOCAL_RANK
+    args = p.parse_args(argv)
+    rank, world, local_rank = who_am_i()
+    if args.batch_size % world:
+        raise Usage(f"--batch-size {args.batch_size} is the global batch and does not divide over "
+                    f"{world} processes: use a multiple of {world}")
+    try:  # fail now, not after an epoch of training
+        os.makedirs(args.out, exist_ok=True)
+        tempfile.TemporaryFile(dir=args.out).close()
+    except OSError as e:
+        raise Usage(f"cannot write to --out {args.out} ({e.strerror}): give a folder you can write")
+    per_node = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", 1)
+    if torch.cuda.device_count() >= int(per_node):  # a GPU of its own for every process here
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if world > 1:  # rank and world_size go together; env:// reads MASTER_ADDR and MASTER_PORT
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=2))
+    try:
+        train(args, rank, world, local_rank, device)
+    finally:  # also after an error, so that no rank waits for a dead group
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train(args, rank: int, world: int, local_rank: int, device: torch.device) -> None:
+    data, net = make_data_and_model(args.examples, args.seed)
+    net = net.to(device)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    path, start = os.path.join(args.out, "last.pt"), 0
+    if os.path.exists(path):  # resume on every rank, before DDP, onto this rank's device
+        state = torch.load(path, map_location=device, weights_only=True)
+        net.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = state["epoch"] + 1
+        print(f"rank {rank}: resumed after epoch {start} from {path}", flush=True)
+    ids = [local_rank] if device.type == "cuda" else None  # the one GPU of this process
+    model = DDP(net, device_ids=ids) if world > 1 else net  # DDP whenever world > 1, GPUs or not
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    loader = DataLoader(data, batch_size=args.batch_size // world, sampler=sampler)
+    for epoch in range(start, args.epochs):
+        sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
+        total = torch.zeros((), device=device)
+        for X, y in loader:
+            loss = nn.functional.cross_entropy(model(X.to(device)), y.to(device))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # DDP averages the gradients over the ranks here
+            optimizer.step()
+            total += loss.detach()
+        if world > 1:
+            dist.all_reduce(total)  # the mean loss over all ranks, not rank 0's share
+        if rank == 0:
+            print(f"rank 0 of {world} ({device}): epoch {epoch + 1}, mean loss "
+                  f"{total.item() / (len(loader) * world):.4f}", flush=True)
+            plain = model.module if world > 1 else model  # names without DDP's "module." prefix
+            torch.save({"model": plain.state_dict(), "optimizer": optimizer.state_dict(),
+                        "epoch": epoch}, path + ".tmp")
+            os.replace(path + ".tmp", path)  # atomic: a crash leaves the old file or the new one
+        if world > 1:
+            dist.barrier()  # nobody goes on (or exits) before the checkpoint is complete
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Usage as e:
+        sys.exit(f"{os.path.basename(sys.argv[0])}: error: {e}")

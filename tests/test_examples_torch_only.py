@@ -1,0 +1,162 @@
+"""The torch-only scripts of d2lpar/examples import no d2lpar, and the DDP one trains as it claims.
+
+A script counts as torch only when its module docstring says "torch only"; every such file is
+covered, whoever adds it. Each is checked twice: by its syntax tree (no ``import d2lpar``, no
+relative import), and by loading a copy from an empty folder with every ``d2lpar`` module blocked.
+``ddp_torch.py`` then runs once under ``torchrun`` on 2 ranks (the copy, with a ``d2lpar`` on its
+path that raises on import) and once in this process as a single process, and the saved weights
+must have moved and agree. Notebook 07 runs the same comparison; this file runs it on a copy, with
+d2lpar out of reach, which the notebook cannot.
+"""
+
+import ast
+import runpy
+import shutil
+import sys
+
+import pytest
+import torch
+
+from d2lpar.processes.commands import REPO, leftovers, run
+
+EXAMPLES = REPO / "d2lpar" / "examples"
+PY = sys.executable
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")
+SMALL = ["--epochs", "2", "--examples", "512", "--batch-size", "32"]
+
+
+def torch_only_scripts():
+    return [p for p in sorted(EXAMPLES.glob("*.py"))
+            if "torch only" in (ast.get_docstring(ast.parse(p.read_text())) or "").lower()]
+
+
+def d2lpar_imports(source: str) -> list[str]:
+    """Every import of d2lpar in ``source``, relative imports included (they reach the package)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] == "d2lpar"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level or (node.module or "").split(".")[0] == "d2lpar":
+                found.append("." * node.level + (node.module or ""))
+    return found
+
+
+def load_copy(script, folder, monkeypatch) -> dict:
+    """Copy ``script`` into ``folder`` and run it as a module (not __main__) with d2lpar blocked."""
+    copy = folder / script.name
+    shutil.copy(script, copy)
+    with monkeypatch.context() as m:
+        for name in [n for n in list(sys.modules) if n.split(".")[0] == "d2lpar"] + ["d2lpar"]:
+            m.setitem(sys.modules, name, None)  # importing it now raises ModuleNotFoundError
+        return runpy.run_path(str(copy), run_name=f"copy_of_{script.stem}")
+
+
+@pytest.fixture
+def no_launcher(monkeypatch):
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind():
+    yield
+    assert leftovers() == [], "a launcher or worker outlived its test"
+
+
+def test_the_checks_can_fail(tmp_path, monkeypatch):
+    assert d2lpar_imports("import os\nimport torch\nfrom torch import nn\n") == []
+    assert d2lpar_imports("import d2lpar.infra.data as d\nfrom d2lpar import x\nfrom . import y\n") \
+        == ["d2lpar.infra.data", "d2lpar", "."]
+    sneaky = tmp_path / "sneaky.py"
+    sneaky.write_text('"""torch only (not quite)."""\nfrom d2lpar.processes.env import detect\n')
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModuleNotFoundError, match="d2lpar"):
+        load_copy(sneaky, tmp_path / "empty", monkeypatch)
+
+
+def test_the_ddp_script_is_torch_only():
+    assert "ddp_torch.py" in [p.name for p in torch_only_scripts()]
+    assert "train_ddp.py" not in [p.name for p in torch_only_scripts()]  # the course's, not to copy
+
+
+@pytest.mark.parametrize("script", torch_only_scripts(), ids=lambda p: p.name)
+def test_torch_only_script_reaches_no_d2lpar(script, tmp_path, monkeypatch):
+    assert d2lpar_imports(script.read_text()) == [], f"{script.name} says torch only"
+    names = load_copy(script, tmp_path, monkeypatch)
+    assert callable(names.get("main")), f"{script.name}: a main() behind `if __name__ == '__main__'`"
+
+
+def test_ddp_two_ranks_equal_one_process(tmp_path, monkeypatch, no_launcher):
+    script = EXAMPLES / "ddp_torch.py"
+    ddp = load_copy(script, tmp_path, monkeypatch)
+    shadow = tmp_path / "shadow" / "d2lpar"  # first on the ranks' path: importing d2lpar fails
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('a torch-only script imported d2lpar')\n")
+    blocked = {"PYTHONPATH": str(shadow.parent)}
+    probe = run([PY, "-c", "import d2lpar"], env=blocked, cwd=tmp_path, check=False, timeout=60)
+    assert probe.returncode == 1 and "torch-only script imported d2lpar" in probe.text()
+    job = run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(tmp_path / script.name), "--out", str(tmp_path / "two"), *SMALL],
+              env=blocked, cwd=tmp_path, timeout=120)
+    assert "rank 0 of 2 (cpu): epoch 2" in job.text()
+    ddp["main"](["--out", str(tmp_path / "one"), *SMALL])
+    two = torch.load(tmp_path / "two" / "last.pt", weights_only=True)["model"]
+    one = torch.load(tmp_path / "one" / "last.pt", weights_only=True)["model"]
+    initial = ddp["make_data_and_model"](512, 0)[1].state_dict()
+    # What a rank that took the whole global batch (not B/W) would give: B = 64 in one process.
+    ddp["main"](["--out", str(tmp_path / "wrong"), *SMALL[:-1], "64"])
+    wrong = torch.load(tmp_path / "wrong" / "last.pt", weights_only=True)["model"]
+    gap = max((two[k] - v).abs().max().item() for k, v in one.items())
+    print(f"largest |2 ranks - 1 process| = {gap:.1e}")  # 6.0e-08 when written
+    for name, value in one.items():
+        assert (value - initial[name]).abs().max() > 1e-3, f"{name} did not move"
+        assert not torch.allclose(wrong[name], value, rtol=1e-5, atol=1e-6), f"{name}: B=64 == B=32?"
+        torch.testing.assert_close(two[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_ddp_resume_continues_the_same_run(tmp_path, monkeypatch, no_launcher, capsys):
+    ddp = load_copy(EXAMPLES / "ddp_torch.py", tmp_path, monkeypatch)
+    ddp["main"](["--out", str(tmp_path / "straight"), *SMALL])
+    ddp["main"](["--out", str(tmp_path / "resumed"), *SMALL[2:], "--epochs", "1"])
+    after_one = torch.load(tmp_path / "resumed" / "last.pt", weights_only=True)["model"]
+    ddp["main"](["--out", str(tmp_path / "resumed"), *SMALL])
+    assert "resumed after epoch 1" in capsys.readouterr().out
+    straight = torch.load(tmp_path / "straight" / "last.pt", weights_only=True)["model"]
+    resumed = torch.load(tmp_path / "resumed" / "last.pt", weights_only=True)["model"]
+    assert not torch.equal(after_one["0.weight"], straight["0.weight"])  # the second epoch ran
+    for name, value in straight.items():
+        assert torch.equal(resumed[name], value), name
+
+
+def test_bad_input_is_one_sentence(tmp_path, monkeypatch, no_launcher):
+    ddp = load_copy(EXAMPLES / "ddp_torch.py", tmp_path, monkeypatch)
+    main, Usage = ddp["main"], ddp["Usage"]
+    out = ["--out", str(tmp_path / "out")]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(Usage, match="^MASTER_ADDR, MASTER_PORT not set: start with torchrun"):
+        main(out)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    with pytest.raises(Usage, match="--batch-size 32 is the global batch and does not divide over 3"):
+        main(out)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    with pytest.raises(Usage, match="^SLURM_LOCALID|^MASTER_ADDR not set"):
+        main(out)
+    for name in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "MASTER_PORT"):
+        monkeypatch.delenv(name)
+    (tmp_path / "a_file").write_text("in the way")
+    with pytest.raises(Usage, match="cannot write to --out .*a_file/ckpt"):
+        main(["--out", str(tmp_path / "a_file" / "ckpt")])
+    job = run([PY, str(tmp_path / "ddp_torch.py"), "--out", str(tmp_path / "a_file" / "ckpt")],
+              check=False, timeout=60)
+    assert job.returncode == 1
+    assert job.lines == [f"ddp_torch.py: error: cannot write to --out {tmp_path}/a_file/ckpt "
+                         "(Not a directory): give a folder you can write"]

@@ -1,7 +1,8 @@
 """Start-up cost of N ranks: d2lpar.processes.launch (warm forkserver) against torch.multiprocessing.spawn.
 
-Each run starts N ranks, joins a gloo group, does one all-reduce, and returns. The last line states
-the ratio d2lpar / mp.spawn for N = 4.
+Each run starts N ranks, joins a gloo group, does one all-reduce, and returns. Then ``--tail K``
+warm launches of 4 ranks in a row give the median, the 95th percentile and the maximum (a launch
+that stalls shows here, not in a median). The last line states the ratio d2lpar / mp.spawn for N = 4.
 
 ``--soak K`` instead launches 4 ranks K times in a row from this one process and prints the open file
 descriptors and live child processes before and after, and the seconds taken: a launcher that leaks
@@ -57,6 +58,18 @@ def time_spawn(n: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def launch_tail(launches: int, n: int = 4) -> tuple[float, float, float]:
+    """Median, 95th percentile and maximum seconds of ``launches`` warm launches of ``n`` ranks."""
+    launch(_allreduce, n, progress=None)
+    times = []
+    for _ in range(launches):
+        t0 = time.perf_counter()
+        assert launch(_allreduce, n, progress=None) == [float(n)] * n
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return statistics.median(times), times[min(len(times) - 1, int(0.95 * len(times)))], times[-1]
+
+
 def soak(launches: int, n: int = 4) -> dict:
     """Launch ``n`` ranks ``launches`` times; fds and children before/after, seconds in all."""
     launch(_allreduce, n)  # one-time state (forkserver, resource tracker) before counting
@@ -75,6 +88,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", default="2,4,8", help="world sizes, comma-separated")
     parser.add_argument("--repeats", type=int, default=3, help="launches per figure (median)")
     parser.add_argument("--spawn-repeats", type=int, default=1, help="mp.spawn runs per figure")
+    parser.add_argument("--tail", type=int, default=100, metavar="K",
+                        help="warm 4-rank launches for the median, 95th percentile and maximum")
     parser.add_argument("--soak", type=int, default=0, metavar="K",
                         help="launch 4 ranks K times; print fds, children and seconds")
     args = parser.parse_args(argv)
@@ -94,6 +109,10 @@ def main(argv=None) -> int:
         ours, theirs = time_launch(n, args.repeats), time_spawn(n, args.spawn_repeats)
         ratios[n] = ours / theirs
         print(f"{n:>5}  {ours:>12.3f} s  {theirs:>7.3f} s  {ratios[n]:>6.3f}")
+    if args.tail:
+        med, p95, worst = launch_tail(args.tail)
+        print(f"{args.tail} warm launches of 4 ranks: median {med:.3f} s, 95th percentile {p95:.3f} s, "
+              f"maximum {worst:.3f} s")
     key = 4 if 4 in ratios else sizes[-1]
     print(f"ratio d2lpar.processes.launch / mp.spawn for N = {key}: {ratios[key]:.3f}")
     return 0

@@ -72,7 +72,7 @@ def _exit_with_caller() -> None:
 
 
 def main(rank: int, world_size: int, payload: bytes, conn, env: dict, backend: str, threads: int,
-         timeout_s: float, log: str, stack: str, capture: bool, init_group: bool) -> None:
+         timeout_s: float, log: str, stack: str, capture: bool, rendezvous: str | None) -> None:
     """The body of rank ``rank``: set it up as the docstring says, run ``fn``, send what came of it."""
     if hasattr(os, "setpgid"):
         os.setpgid(0, 0)   # a group of its own: what the rank starts can be ended with it
@@ -92,11 +92,11 @@ def main(rank: int, world_size: int, payload: bytes, conn, env: dict, backend: s
         dist.set_debug_level_from_env()  # read once at import, in the forkserver: read it again
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        if init_group:
+        if rendezvous is not None:   # the launcher's file store (see launch's docstring for why)
             # With NCCL, CPU tensors still need a backend: gloo carries them, NCCL the CUDA ones.
             group_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
-            store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size,
-                                  is_master=False, timeout=timedelta(seconds=timeout_s))
+            store = dist.FileStore(rendezvous, world_size)
+            store.set_timeout(timedelta(seconds=timeout_s))
             dist.init_process_group(group_backend, store=store, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout_s))
         result = fn(*args, **kwargs)

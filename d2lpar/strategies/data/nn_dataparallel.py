@@ -44,7 +44,8 @@ __all__ = ["SimulatedDataParallel", "BalancedDataParallel", "strip_module_prefix
 
 def strip_module_prefix(state_dict: dict) -> dict:
     """Drop the leading ``module.`` that a wrapper's ``state_dict()`` puts before every name."""
-    return {(k[len("module."):] if k.startswith("module.") else k): v for k, v in state_dict.items()}
+    prefix = "module."
+    return {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in state_dict.items()}
 
 
 def _chunk_sizes(batch: int, n: int, gpu0_bsz: int | None, weights) -> list[int]:

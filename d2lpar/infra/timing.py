@@ -153,7 +153,7 @@ def load_line(why: str = "") -> str:
     """
     if not hasattr(os, "getloadavg"):
         return ""
-    override = (f"; {ALLOW_LOAD}=1: executed without waiting for a quiet machine"
+    override = (f"; {ALLOW_LOAD}=1: not waited for quiet"
                 if os.environ.get(ALLOW_LOAD) == "1" else "")
     return (f"load average before the run: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPU(s)"
             + (f" ({why})" if why else "") + override)

@@ -2,14 +2,69 @@ import pytest
 import torch
 
 from d2lpar.processes.launch import launch
+import d2lpar.comm.overlap as overlap_module
 from d2lpar.comm.overlap import (OverlapResult, cpu_overlap, cuda_overlap, gloo_overlap_worker,
-                                 matmul_loop, unsynchronized_readback)
+                                 matmul_loop, prefetch, simulated_overlap, unsynchronized_readback)
 
 
 def test_result_ratio_and_table():
     r = OverlapResult("toy", compute=1.0, transfer=2.0, sequential=3.0, overlapped=2.2)
     assert r.bound == 2.0 and r.ratio == pytest.approx(1.1)
     assert "ratio overlapped / max(compute, transfer) = 1.100" in r.table()
+
+
+def test_the_table_ends_with_the_verdict_of_its_own_numbers():
+    hidden = OverlapResult("ok", compute=1.0, transfer=0.8, sequential=1.8, overlapped=1.05)
+    assert hidden.table().splitlines()[-1].strip().startswith("overlapped (1.05x")
+    assert "hid behind" in hidden.verdict()
+    # an "overlapped" run that really ran one job after the other is not called overlapped
+    serial = OverlapResult("broken", compute=1.0, transfer=0.8, sequential=1.8, overlapped=1.8,
+                           what="copy")
+    assert serial.table().splitlines()[-1].strip().startswith("no overlap in this run")
+
+
+def test_simulated_overlap_hides_the_copy_behind_the_device_wait():
+    r = simulated_overlap(target_s=0.02, copy_mb=1, repeats=2)  # raises if the copy is wrong
+    over = r.timelines["compute while copying"]
+    assert set(over.lanes) == {"device (simulated)", "copy thread"}
+    assert over.overlap("device (simulated)", "copy thread") > 0
+    assert r.timelines["compute then copy"].overlap("device (simulated)", "copy thread") == 0
+    assert r.compute == pytest.approx(r.timelines["compute then copy"].busy("device (simulated)"),
+                                      rel=0.5)
+
+
+def test_simulated_overlap_check_fails_when_the_copy_delivers_nothing(monkeypatch):
+    real = overlap_module._copy_chunks
+
+    def lazy_copy(dst, src, times):
+        if not dst.any():  # the overlapped run zeroes the buffer first: then copy nothing
+            return
+        real(dst, src, times)
+
+    monkeypatch.setattr(overlap_module, "_copy_chunks", lazy_copy)
+    with pytest.raises(AssertionError, match="different numbers"):
+        simulated_overlap(target_s=0.01, copy_mb=1, repeats=1, copies=1, device_s=0.005)
+
+
+def test_simulated_overlap_rejects_bad_input():
+    with pytest.raises(ValueError, match="device_s > 0"):
+        simulated_overlap(device_s=0)
+
+
+def test_prefetch_delivers_every_batch_unchanged_on_the_cpu():
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 3, generator=gen), torch.arange(4) + i) for i in range(3)]
+    out = list(prefetch(batches, "cpu"))
+    assert len(out) == 3 and all(torch.equal(a, b) for o, i in zip(out, batches)
+                                 for a, b in zip(o, i))
+    assert list(prefetch([], "cpu")) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_prefetch_on_a_gpu_delivers_every_batch():
+    batches = [(torch.randn(256, 256), torch.arange(256) + i) for i in range(4)]
+    out = [tuple(t.cpu() for t in b) for b in prefetch(batches, "cuda")]
+    assert all(torch.equal(a, b) for o, i in zip(out, batches) for a, b in zip(o, i))
 
 
 def test_cpu_overlap_delivers_the_same_results_and_timelines():

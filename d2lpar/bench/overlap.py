@@ -3,8 +3,9 @@
 On the CPU the transfer is a copy thread moving a large buffer (one torch thread) while the main
 thread multiplies matrices (one torch thread); each has a core when the machine has two. With a GPU
 the same is measured with a second CUDA stream copying results to pinned host memory. Every time is
-the best of ``--repeats`` runs. The last line states overlapped / max(compute, transfer)
-(1.0 is perfect overlap; about 2 means none when the two parts are equally long).
+the best of ``--repeats`` runs. The last line is the verdict of the run: overlapped /
+max(compute, transfer) (1.0 is perfect overlap; about 2 means none when the two parts are equally
+long) and what that says, written from the numbers just measured.
 """
 
 from __future__ import annotations
@@ -33,6 +34,5 @@ def main(argv=None) -> int:
         if load_line():
             print(load_line("other programs take cores from the two threads and push the ratio up"))
         result = cpu_overlap(target_s=args.target, copy_mb=args.copy_mb, repeats=args.repeats)
-    print(result.table())
-    print(f"ratio overlapped / max(compute, transfer): {result.ratio:.3f}")
+    print(result.table())  # its last line is the verdict
     return 0

@@ -12,8 +12,12 @@ delivers exactly what the sequential one does: overlap may change *when*, never 
 ``measure`` is the one harness every experiment uses: four cases (compute alone, transfer alone,
 one after the other, overlapped), timed in interleaved rounds, best of each kept.
 
-Three ways to get it:
+Four ways to get it:
 
+* ``simulated_overlap`` (the one to read first on a CPU): the compute runs on a *simulated device*,
+  a thread that waits as long as the real compute was measured to take (a GPU's kernels leave the
+  CPU free in the same way), while a copy thread moves a real buffer. It needs one free core, so
+  it shows the mechanism even on a busy machine.
 * ``cpu_overlap``: on the CPU, the "transfer" is a copy of a large buffer (the gradient bucket a
   rank would send) done by a copy thread with one torch thread, while the main thread computes with
   one torch thread; each gets a core of its own.
@@ -22,6 +26,11 @@ Three ways to get it:
 * ``cuda_overlap``: the compute stream produces ``y[i]`` while a second stream copies ``y[i-1]`` to
   pinned host memory with ``non_blocking=True``; an event orders each copy after its producer, and
   ``record_stream`` keeps the caching allocator from reusing ``y[i]`` before its copy ends.
+
+``prefetch`` applies the same pattern to input batches: the copy of batch i+1 to the GPU runs on a
+side stream while the default stream computes on batch i. ``pin_memory=True`` and
+``non_blocking=True`` alone are not enough: a copy queued on the *default* stream runs after the
+compute queued before it, so nothing overlaps; the side stream is what lets the two run together.
 """
 
 from __future__ import annotations
@@ -34,10 +43,11 @@ from typing import Callable
 import torch
 
 from d2lpar.infra.timing import Timeline
+from d2lpar.infra.verdict import overlap_verdict
 from d2lpar.infra.workers import torch_threads
 
-__all__ = ["OverlapResult", "matmul_loop", "measure", "cpu_overlap", "gloo_overlap_worker", "cuda_overlap",
-           "unsynchronized_readback"]
+__all__ = ["OverlapResult", "matmul_loop", "measure", "simulated_overlap", "cpu_overlap",
+           "gloo_overlap_worker", "cuda_overlap", "prefetch", "unsynchronized_readback"]
 
 
 @dataclass
@@ -49,6 +59,8 @@ class OverlapResult:
     sequential: float
     overlapped: float
     timelines: dict[str, Timeline] = field(default_factory=dict)
+    what: str = "transfer"      # the names the verdict uses for the two jobs
+    behind: str = "compute"
 
     @property
     def bound(self) -> float:
@@ -63,9 +75,16 @@ class OverlapResult:
                 ("compute then transfer", self.sequential), ("overlapped", self.overlapped),
                 ("limit max(compute, transfer)", self.bound)]
 
+    def verdict(self) -> str:
+        """The conclusion of this run, from its own numbers (``d2lpar.infra.verdict``)."""
+        return overlap_verdict(self.overlapped, self.compute, self.transfer, what=self.what,
+                               behind=self.behind)
+
     def table(self) -> str:
+        """The four times, the limit and the ratio, ending with the verdict of this run."""
         lines = [f"{self.name}"] + [f"  {k:<30}{v * 1e3:9.1f} ms" for k, v in self.rows()]
         lines.append(f"  ratio overlapped / max(compute, transfer) = {self.ratio:.3f}")
+        lines.append(f"  {self.verdict()}")
         return "\n".join(lines)
 
 
@@ -117,6 +136,73 @@ def measure(name: str, compute: Run, transfer: Run, sequential: Run, overlapped:
                          best["overlapped"], timelines)
 
 
+def _calibrate(x: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, target_s: float,
+               compute_steps: int | None, copies: int | None) -> tuple[int, int]:
+    """Matrix products and copies that take about ``target_s`` each on one core (warm)."""
+    matmul_loop(x, 3), _copy_chunks(dst, src, 1)  # warm up
+    if compute_steps is None:
+        t0 = time.perf_counter(); matmul_loop(x, 20)
+        compute_steps = max(1, round(target_s / ((time.perf_counter() - t0) / 20)))
+    if copies is None:
+        t0 = time.perf_counter(); _copy_chunks(dst, src, 2)
+        copies = max(1, round(target_s / ((time.perf_counter() - t0) / 2)))
+    return compute_steps, copies
+
+
+def _buffers(size: int, copy_mb: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(size, size, generator=gen) / size ** 0.5
+    src = torch.randn(int(copy_mb * 2 ** 20 / 4), generator=gen)
+    return x, src, torch.empty_like(src)
+
+
+def simulated_overlap(target_s: float = 0.05, size: int = 256, copy_mb: float = 32.0,
+                      repeats: int = 5, device_s: float | None = None,
+                      copies: int | None = None) -> OverlapResult:
+    """Compute on a simulated device while a copy thread moves ``copy_mb`` MB buffers.
+
+    The device is a thread that waits ``device_s`` seconds: by default the time that real matrix
+    products sized to ``target_s`` were just measured to take on one core. A wait leaves the CPU
+    free, as a GPU's kernels do, so the copy (real, and checked) needs only one free core.
+    """
+    if repeats < 1 or target_s <= 0 or copy_mb <= 0 or (device_s is not None and device_s <= 0):
+        raise ValueError("simulated_overlap needs repeats >= 1, target_s > 0, copy_mb > 0 and "
+                         "device_s > 0 (or None to measure it)")
+    x, src, dst = _buffers(size, copy_mb)
+    with torch_threads(1):
+        steps, copies = _calibrate(x, dst, src, target_s, None, copies)
+        if device_s is None:  # the device time stands for these products: measure them
+            t0 = time.perf_counter(); matmul_loop(x, steps); device_s = time.perf_counter() - t0
+
+        def compute(tl: Timeline, lane: str = "device (simulated)") -> None:
+            with tl.span(lane, "compute (device time)"):
+                time.sleep(device_s)  # the CPU is free meanwhile, as while a GPU computes
+
+        def copy(tl: Timeline, lane: str = "copy thread") -> None:
+            with tl.span(lane, "copy"):
+                _copy_chunks(dst, src, copies)
+
+        def sequential(tl: Timeline) -> None:
+            compute(tl); copy(tl)
+
+        def overlapped(tl: Timeline) -> None:
+            dst.zero_()
+            device = threading.Thread(target=compute, args=(tl,), name="simulated-device")
+            device.start(); copy(tl); device.join()  # the copy runs while the device computes
+
+        def check() -> None:
+            if not torch.equal(dst, src):
+                raise AssertionError("the overlapped copy delivered different numbers")
+
+        result = measure(f"simulated device: {device_s * 1e3:.1f} ms of compute | copy thread, "
+                         f"{copies} x {copy_mb:g} MB", compute, copy, sequential, overlapped,
+                         repeats, check=check)
+    result.timelines = {"compute then copy": result.timelines["sequential"],
+                        "compute while copying": result.timelines["overlapped"]}
+    result.what = "copy"
+    return result
+
+
 def cpu_overlap(target_s: float = 0.05, size: int = 256, copy_mb: float = 32.0, repeats: int = 5,
                 compute_steps: int | None = None, copies: int | None = None) -> OverlapResult:
     """Compute (main thread) while a copy thread moves ``copy_mb`` MB buffers, on one core each.
@@ -126,18 +212,9 @@ def cpu_overlap(target_s: float = 0.05, size: int = 256, copy_mb: float = 32.0, 
     """
     if repeats < 1 or target_s <= 0 or copy_mb <= 0:
         raise ValueError("cpu_overlap needs repeats >= 1, target_s > 0 and copy_mb > 0")
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(size, size, generator=gen) / size ** 0.5
-    src = torch.randn(int(copy_mb * 2 ** 20 / 4), generator=gen)
-    dst = torch.empty_like(src)
+    x, src, dst = _buffers(size, copy_mb)
     with torch_threads(1):
-        matmul_loop(x, 3), _copy_chunks(dst, src, 1)  # warm up
-        if compute_steps is None:
-            t0 = time.perf_counter(); matmul_loop(x, 20)
-            compute_steps = max(1, round(target_s / ((time.perf_counter() - t0) / 20)))
-        if copies is None:
-            t0 = time.perf_counter(); _copy_chunks(dst, src, 2)
-            copies = max(1, round(target_s / ((time.perf_counter() - t0) / 2)))
+        compute_steps, copies = _calibrate(x, dst, src, target_s, compute_steps, copies)
         expected, out = matmul_loop(x, compute_steps), {}
 
         def compute(tl: Timeline) -> None:
@@ -165,6 +242,7 @@ def cpu_overlap(target_s: float = 0.05, size: int = 256, copy_mb: float = 32.0, 
                          repeats, check=check)
     result.timelines = {"compute then copy": result.timelines["sequential"],
                         "compute while copying": result.timelines["overlapped"]}
+    result.what = "copy"
     return result
 
 
@@ -208,9 +286,11 @@ def gloo_overlap_worker(numel: int = 2 ** 22, size: int = 256, compute_steps: in
         if not torch.equal(buf, expected):
             raise AssertionError(f"rank {rank}: the all-reduce gave a different sum")
 
-    return measure(f"rank {rank}: async gloo all-reduce of {numel * 4 / 2 ** 20:g} MB beside "
-                   f"{compute_steps} matmuls", compute, transfer, sequential, overlapped, repeats,
-                   before=dist.barrier, check=check)
+    result = measure(f"rank {rank}: async all-reduce of {numel * 4 / 2 ** 20:g} MB beside "
+                     f"{compute_steps} matmuls", compute, transfer, sequential, overlapped, repeats,
+                     before=dist.barrier, check=check)
+    result.what = "all-reduce"
+    return result
 
 
 def cuda_overlap(device: torch.device | str = "cuda", pieces: int = 16, size: int = 2048,
@@ -279,6 +359,44 @@ def cuda_overlap(device: torch.device | str = "cuda", pieces: int = 16, size: in
         prev_done, prev_end = d, e
     result.timelines = {"compute while copying": timeline}
     return result
+
+
+def prefetch(batches, device: torch.device | str):
+    """Yield each batch (a tuple of tensors) on ``device``; on a GPU, copy batch i+1 on a side
+    stream while the default stream computes on batch i.
+
+    The copy of the next batch is queued on ``side`` only after the compute stream has been told
+    to wait for the current one, so the compute never waits for a copy it does not need. Host
+    tensors are pinned first (a ``DataLoader(pin_memory=True)`` already gives pinned batches):
+    only from pinned memory can a ``non_blocking`` copy run beside the kernels.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":  # no streams: each batch is copied when it is needed
+        for batch in batches:
+            yield tuple(t.to(device) for t in batch)
+        return
+    compute, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+
+    def start_copy(batch):
+        with torch.cuda.stream(side):
+            return tuple((t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
+                         for t in batch)
+
+    it = iter(batches)
+    first = next(it, None)
+    if first is None:
+        return
+    ready = start_copy(first)
+    for batch in it:
+        compute.wait_stream(side)        # kernels queued from now on wait for batch i's copy
+        for t in ready:
+            t.record_stream(compute)     # its memory stays reserved while the compute uses it
+        current, ready = ready, start_copy(batch)  # batch i+1 copies while batch i computes
+        yield current
+    compute.wait_stream(side)
+    for t in ready:
+        t.record_stream(compute)
+    yield ready
 
 
 def unsynchronized_readback(device: torch.device | str = "cuda", size: int = 4096) -> dict:

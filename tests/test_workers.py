@@ -51,3 +51,40 @@ def test_torch_threads_restores():
     with torch_threads(1):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == old and cores() >= 1
+
+
+def _loop_setup():
+    w = torch.randn(8, 2, generator=torch.Generator().manual_seed(0))
+    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+
+    def step(x):
+        time.sleep(0.01)
+        return (x @ w).square().mean()
+    return batches, step
+
+
+def test_training_loop_counts_the_reads_that_waited_for_the_device():
+    from d2lpar.infra.workers import training_loop
+    batches, step = _loop_setup()
+    with DeviceQueue("dev") as q:
+        each = training_loop(q, batches, step, 0.002, read_each_step=True)
+        summed = training_loop(q, batches, step, 0.002, read_each_step=False)
+    assert each.waits == len(batches) and summed.waits == 1
+    assert summed.total == pytest.approx(each.total, rel=1e-5)
+    assert summed.seconds < each.seconds
+
+
+def test_the_wait_count_fails_on_a_device_that_is_not_a_queue():
+    """A 'device' that runs each job before submit returns (no queue): no read ever waits, so the
+    notebook's check (one wait per step with .item()) fails on it."""
+    from concurrent.futures import Future
+
+    from d2lpar.infra.workers import training_loop
+
+    class Inline:
+        def submit(self, fn, *args, label=None):
+            f = Future(); f.set_result(fn(*args)); return f
+
+    batches, step = _loop_setup()
+    run = training_loop(Inline(), batches, step, 0.0, read_each_step=True)
+    assert run.waits == 0 != len(batches)

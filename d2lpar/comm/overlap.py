@@ -248,7 +248,8 @@ def cpu_overlap(target_s: float = 0.05, size: int = 256, copy_mb: float = 32.0, 
 
 def gloo_overlap_worker(numel: int = 2 ** 22, size: int = 256, compute_steps: int = 100,
                         repeats: int = 3) -> OverlapResult:
-    """Run under ``d2lpar.processes.launch``: an async all-reduce of ``numel`` floats beside compute.
+    """Run under ``d2lpar.processes.launch``: an async all-reduce of ``numel`` floats beside
+    compute.
 
     Returns this rank's ``OverlapResult`` (lanes ``rank r compute`` and ``rank r gloo``); it raises
     if any all-reduce, overlapped or not, gives a different sum.
@@ -410,4 +411,5 @@ def unsynchronized_readback(device: torch.device | str = "cuda", size: int = 409
     host = y.to("cpu", non_blocking=True)  # pinned output; returns before the copy happens
     early = bool((host > 1).all())
     torch.cuda.synchronize(device)
-    return {"complete before synchronize": early, "complete after synchronize": bool((host > 1).all())}
+    late = bool((host > 1).all())
+    return {"complete before synchronize": early, "complete after synchronize": late}

@@ -11,6 +11,12 @@ that compute at the same time for real (PyTorch releases Python's GIL inside its
 ``submit(fn, *args)`` returns a ``Future`` at once, like a kernel launch; ``synchronize()`` waits for
 the queue to drain, like ``torch.cuda.synchronize(device)``; every job is recorded as a span on a
 ``Timeline`` lane named after the queue.
+
+``training_loop`` shows what reading a result back costs. ``loss.item()`` on a GPU is a
+synchronize: the host waits until the device has finished the step, so the host's own work for the
+next step (Python, indexing, launching) cannot run while the device computes, and a step costs
+t_host + t_device instead of max(t_host, t_device). Adding the losses up on the device and reading
+the sum once at the end keeps the two busy at the same time.
 """
 
 from __future__ import annotations
@@ -21,13 +27,14 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from d2lpar.infra.timing import Timeline
 
-__all__ = ["torch_threads", "DeviceQueue", "cores"]
+__all__ = ["torch_threads", "DeviceQueue", "cores", "LoopRun", "training_loop"]
 
 
 def cores() -> int:
@@ -117,3 +124,49 @@ class DeviceQueue:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@dataclass
+class LoopRun:
+    """What ``training_loop`` measured: the summed loss, the reads that had to wait, the time."""
+    total: float
+    waits: int
+    seconds: float
+
+
+def _accumulate(acc: Future | None, loss: Future):
+    # runs on the device after both jobs (one queue runs its jobs in order), so neither result waits
+    return loss.result() if acc is None else acc.result() + loss.result()
+
+
+def training_loop(device: DeviceQueue, batches: Iterable, step: Callable[[Any], torch.Tensor],
+                  host_s: float, read_each_step: bool,
+                  timeline: Timeline | None = None) -> LoopRun:
+    """Run ``step(batch)`` on ``device`` for each batch, after ``host_s`` seconds of host work.
+
+    ``read_each_step=True`` reads every loss back at once (``loss.item()``); otherwise the losses are
+    added up on the device and the sum is read once, at the end. ``waits`` counts the reads that
+    found the device still busy: each is a synchronize, a moment the host sat idle.
+    """
+    waits = 0
+
+    def read(future: Future) -> float:
+        nonlocal waits
+        waits += not future.done()
+        return float(future.result())
+
+    t0 = time.perf_counter()
+    total, acc = 0.0, None
+    for batch in batches:
+        start = time.perf_counter()
+        time.sleep(host_s)  # the host's share of a step: Python, the next indices, the launches
+        if timeline is not None:
+            timeline.add("host", "host work", start, time.perf_counter())
+        loss = device.submit(step, batch, label="step")
+        if read_each_step:
+            total += read(loss)  # loss.item(): wait for the device, then go on
+        else:
+            acc = device.submit(_accumulate, acc, loss, label="add")
+    if acc is not None:
+        total = read(acc)
+    return LoopRun(total, waits, time.perf_counter() - t0)

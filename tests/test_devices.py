@@ -104,3 +104,19 @@ def test_device_flags(two_gpus):
 
 def test_describe(no_gpus):
     assert devices.describe(devices.get_devices(2)) == "2 simulated device(s) on the CPU: cpu:0, cpu:1"
+
+
+def test_the_simulation_notice_fits_in_100_columns_and_nbval_drops_it(no_gpus, capsys, monkeypatch):
+    import re
+    from pathlib import Path
+
+    from nbval.plugin import get_sanitize_patterns
+
+    monkeypatch.setattr(devices, "_announced", set())
+    devices.get_devices(4)
+    notice = capsys.readouterr().out
+    assert notice.count("\n") == 2 and max(len(line) for line in notice.splitlines()) < 100
+    text = notice + "OK  a check\n"
+    for regex, replace in get_sanitize_patterns((Path(__file__).parent / "nbval_sanitize.cfg").read_text()):
+        text = re.sub(regex, replace, text)
+    assert text == "OK  a check\n"

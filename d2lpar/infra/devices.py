@@ -93,8 +93,8 @@ def get_devices(n: int | None = None, *, simulate: bool = True) -> list[torch.de
     devs = "a device" if n == 1 else f"{n} devices"
     names = "cpu:0" if n == 1 else f"cpu:0 .. cpu:{n - 1}"
     _say_once(("simulate", n, gpus),
-              f"Asked for {devs}, found {gpus} GPU(s): simulating {devs} on the CPU ({names}). "
-              f"Results are exact; timings are not those of {'a GPU' if n == 1 else f'{n} GPUs'}.")
+              f"Asked for {devs}, found {gpus} GPU(s): simulating {devs} on the CPU ({names}).\n"
+              f"  Results are exact; timings are not those of {'a GPU' if n == 1 else f'{n} GPUs'}.")
     return [torch.device("cpu", i) for i in range(n)]
 
 
@@ -115,8 +115,8 @@ def parse_device(spec: str | int | torch.device) -> torch.device:
     if kind == "cuda":
         gpus = gpu_count()
         if gpus == 0:
-            raise DeviceError(f"{spec!r} asks for a GPU but this machine has none: use 'cpu', or "
-                              "get_devices(n) to simulate n devices on the CPU")
+            raise DeviceError(f"{spec!r} asks for a GPU but this machine has none: use 'cpu', "
+                              "or get_devices(n) to simulate n")
         if index is not None and index >= gpus:
             raise DeviceError(f"{spec!r} does not exist: this process sees {gpus} GPU(s), "
                               f"cuda:0 .. cuda:{gpus - 1} (after CUDA_VISIBLE_DEVICES)")

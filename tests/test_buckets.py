@@ -42,3 +42,34 @@ def test_fit_terms():
     assert a == pytest.approx(2e-4) and b == pytest.approx(1e-9)
     with pytest.raises(ValueError, match="larger"):
         fit_terms([1, 2], [1.0, 0.5])
+
+
+def test_torch_default_first_bucket_is_1_mib():
+    import torch.distributed as dist
+    from torch.nn.parallel.distributed import _BucketCapacityConfig
+
+    from d2lpar.cost.buckets import TORCH_FIRST_BUCKET
+    assert dist._DEFAULT_FIRST_BUCKET_BYTES == TORCH_FIRST_BUCKET == 2 ** 20
+    default = _BucketCapacityConfig.create(None, None, False)
+    given = _BucketCapacityConfig.create(25, None, False)
+    assert (default.first_bucket_bytes_cap, default.bucket_bytes_cap) == (2 ** 20, 25 * 2 ** 20)
+    assert given.first_bucket_bytes_cap == given.bucket_bytes_cap == 25 * 2 ** 20
+    layers = [(0.001, 2 ** 19)] * 8  # 4 MiB in 512 KiB layers: first bucket 1 MiB, then the rest
+    run = bucket_schedule(layers, 25 * 2 ** 20, lambda k: 1e-4, first_cap=TORCH_FIRST_BUCKET)
+    assert [b for b, *_ in run.buckets] == [2 ** 20, 3 * 2 ** 20]
+
+
+def test_against_measured_says_when_the_model_misses():
+    from d2lpar.cost.buckets import against_measured
+    layers = [(0.010, 100)] * 3
+    T = lambda k: 0.001 + k * 1e-4  # noqa: E731
+    rows = [{"cap_mb": c / 2 ** 20, "buckets": n,
+             "step": bucket_schedule(layers, c, T).step} for c, n in ((100, 3), (10 ** 6, 1))]
+    table, verdict = against_measured(rows, layers, 0.001, 1e-4)
+    assert len(table) == 3 and verdict[0].startswith("the model predicts every cap within 15%")
+    rows[1]["step"] *= 2  # the one-bucket step measured twice the model
+    _, verdict = against_measured(rows, layers, 0.001, 1e-4)
+    assert verdict[0].startswith("the model and the measurement disagree")
+    rows[0]["step"] *= 4  # now the model's best cap measured slowest
+    _, verdict = against_measured(rows, layers, 0.001, 1e-4)
+    assert "picks the wrong cap" in verdict[1]

@@ -19,6 +19,15 @@ bytes and buckets of C bytes (n = G / C of them), the step is
 The second term is smallest at C_2 = G sqrt(a / B). If the first term is the larger there, the best
 C is smaller: where the two terms meet (a quadratic in C). ``uniform_best_cap`` computes this;
 ``best_cap`` searches the exact schedule of a given model. Both need only a, b and the backward.
+
+torch's default (``bucket_cap_mb`` not given) caps the *first* bucket, the last layers' gradients,
+at ``dist._DEFAULT_FIRST_BUCKET_BYTES`` = 1 MiB and the others at 25 MiB, so that the first
+all-reduce starts early; ``first_cap`` models it. Given ``bucket_cap_mb=25`` explicitly, torch uses
+25 MiB for the first bucket too.
+
+``against_measured`` puts the model beside measured steps: the prediction is only as good as a, b
+and the backward time, so measure them in the same run as the steps (on a shared CPU the latency
+per message moves with the load), with T(K) timed the way DDP spends it (copies included).
 """
 
 from __future__ import annotations
@@ -31,7 +40,9 @@ from d2lpar.cost.costmodel import Machine, allreduce_time
 from d2lpar.strategies.data.ddp import assign_buckets
 
 __all__ = ["BucketRun", "bucket_schedule", "best_cap", "uniform_step", "uniform_best_cap",
-           "ring_terms", "fit_terms"]
+           "ring_terms", "fit_terms", "against_measured", "TORCH_FIRST_BUCKET"]
+
+TORCH_FIRST_BUCKET = 2 ** 20  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES (checked by a test)
 
 
 @dataclass
@@ -55,14 +66,15 @@ class BucketRun:
 
 
 def bucket_schedule(layers: Sequence[tuple[float, int]], cap: int,
-                    allreduce_s: Callable[[float], float]) -> BucketRun:
-    """``layers``: (backward seconds, gradient bytes) in the order backward reaches them."""
+                    allreduce_s: Callable[[float], float], first_cap: int | None = None) -> BucketRun:
+    """``layers``: (backward seconds, gradient bytes) in the order backward reaches them;
+    ``first_cap``: the first bucket's cap (torch's default: ``TORCH_FIRST_BUCKET``)."""
     ready_at, t = [], 0.0
     for seconds, _ in layers:
         t += seconds
         ready_at.append(t)
     out, end = [], 0.0
-    for bucket in assign_buckets([b for _, b in layers], cap):
+    for bucket in assign_buckets([b for _, b in layers], cap, first_cap):
         nbytes = sum(layers[i][1] for i in bucket)
         ready = ready_at[bucket[-1]]
         start = max(ready, end)
@@ -117,13 +129,65 @@ def ring_terms(machine: Machine, world: int) -> tuple[float, float]:
 
 
 def fit_terms(sizes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
-    """(a, b) fitted by least squares to measured all-reduce times (a >= 0)."""
+    """(a, b) fitted to measured all-reduce times, each size's *relative* error weighted alike
+    (least squares on (a + K b - t) / t), so that the small sizes, which fix the latency a, count
+    as much as the large ones, which fix b; a >= 0."""
     n = len(sizes)
-    if n < 2:
-        raise ValueError("fit_terms needs at least two measured sizes")
-    mx, my = sum(sizes) / n, sum(seconds) / n
-    sxx = sum((x - mx) ** 2 for x in sizes)
-    b = sum((x - mx) * (y - my) for x, y in zip(sizes, seconds)) / sxx
+    if n < 2 or len(seconds) != n:
+        raise ValueError("fit_terms needs at least two measured sizes, one time for each")
+    if any(t <= 0 for t in seconds):
+        raise ValueError("fit_terms needs positive times: time each size first")
+    # minimize sum w (a + K b - t)^2 with w = 1 / t^2: the 2x2 normal equations
+    w = [1.0 / t ** 2 for t in seconds]
+    s0, s1 = sum(w), sum(wi * k for wi, k in zip(w, sizes))
+    s2 = sum(wi * k * k for wi, k in zip(w, sizes))
+    t0 = sum(wi * t for wi, t in zip(w, seconds))
+    t1 = sum(wi * k * t for wi, k, t in zip(w, sizes, seconds))
+    det = s0 * s2 - s1 * s1
+    b = (s0 * t1 - s1 * t0) / det
     if b <= 0:
         raise ValueError("all-reduce times do not grow with size: measure larger buckets")
-    return max(0.0, my - b * mx), b
+    a = (t0 - b * s1) / s0
+    if a < 0:  # no latency to speak of: a line through the origin
+        a, b = 0.0, t1 / s2
+    return a, b
+
+
+def against_measured(rows, layers, a: float, b: float,
+                     tolerance: float = 0.15) -> tuple[list[str], list[str]]:
+    """The model's step for each measured cap, and what the comparison says.
+
+    ``rows``: dicts with ``cap_mb``, ``buckets`` and the measured ``step`` (s); ``layers`` as for
+    ``bucket_schedule``. Returns (table lines, verdict lines): whether every cap is within
+    ``tolerance`` (relative) of its prediction, and whether the cap the model finds fastest
+    measured within ``tolerance`` of the fastest measured one.
+    """
+    if not rows:
+        raise ValueError("against_measured needs at least one measured cap")
+    T = lambda k: a + k * b  # noqa: E731
+    table = [f"{'cap MiB':>8} {'buckets':>8} {'measured ms':>12} {'predicted ms':>13} {'gap':>7}"]
+    gaps, predicted = [], {}
+    for row in rows:
+        pred = bucket_schedule(layers, int(row["cap_mb"] * 2 ** 20), T).step
+        predicted[row["cap_mb"]] = pred
+        gaps.append((row["step"] - pred) / row["step"])
+        table.append(f"{row['cap_mb']:8g} {row['buckets']:8} {row['step'] * 1e3:12.1f} "
+                     f"{pred * 1e3:13.1f} {gaps[-1]:+7.0%}")
+    worst = max(range(len(rows)), key=lambda i: abs(gaps[i]))
+    where = f"worst gap {gaps[worst]:+.0%} at {rows[worst]['cap_mb']:g} MiB"
+    if abs(gaps[worst]) <= tolerance:
+        verdict = [f"the model predicts every cap within {tolerance:.0%} ({where})"]
+    else:
+        side = "above" if gaps[worst] > 0 else "below"
+        verdict = [f"the model and the measurement disagree: {where}, measured {side} the model "
+                   f"(more than {tolerance:.0%})"]
+    measured = {row["cap_mb"]: row["step"] for row in rows}
+    fastest, model_pick = min(measured, key=measured.get), min(predicted, key=predicted.get)
+    lost = measured[model_pick] / measured[fastest] - 1
+    if lost <= tolerance:
+        verdict.append(f"the model's best cap, {model_pick:g} MiB, measured within {lost:.0%} of "
+                       f"the fastest ({fastest:g} MiB)")
+    else:
+        verdict.append(f"the model's best cap, {model_pick:g} MiB, measured {lost:.0%} slower than "
+                       f"the fastest ({fastest:g} MiB): the model picks the wrong cap here")
+    return table, verdict

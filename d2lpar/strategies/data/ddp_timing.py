@@ -5,25 +5,31 @@ the same ones, so they print the same kind of figures):
 
 * ``overlap_worker``: the four cases of ``d2lpar.comm.overlap.measure`` for one DDP step, and the
   CPU time the rank's process (all its threads) used in its fastest overlapped step.
-  *compute* = forward + backward with no all-reduce (``no_sync``); *transfer* = the buckets'
-  all-reduces alone, back to back; *sequential* = backward, then the buckets all-reduced;
+  *compute* = forward + backward with no all-reduce (``no_sync``); *transfer* = what DDP adds to a
+  step without the compute (``bucket_transfer``: each bucket's gradients copied into its flat
+  buffer, its all-reduce started, then all waited for and the averages copied back);
+  *sequential* = compute, then that same transfer, so it is compute + transfer by construction;
   *overlapped* = the DDP step, each bucket's all-reduce started from the gradient hooks.
   ``ratio = overlapped / max(compute, transfer)``: 1 is perfect overlap. With
   ``device_time=True`` backward runs on a simulated device (``d2lpar.infra.device_time``): its
-  layers' device times add up to ``compute_over_comm`` times the all-reduce time measured just
-  before, and the CPU stays free for gloo meanwhile, as it would with a GPU computing; gradients and
-  messages stay real. The default, ``COMPUTE_OVER_COMM = 3``, is a backward well above its
-  communication; near 1.5 two ranks on 2 cores run out of CPU for their real gradients and gloo's
-  threads together (notebook 09 shows both).
+  layers' device times add up to ``compute_over_comm`` times the transfer time calibrated just
+  before (the same ``bucket_transfer``), and the CPU stays free for gloo meanwhile, as it would with
+  a GPU computing; gradients and messages stay real. The default, ``COMPUTE_OVER_COMM = 3``, is a
+  backward well above its communication; near 1.5 two ranks on 2 cores run out of CPU for their
+  real gradients and gloo's threads together (notebook 09 shows both).
 * ``versus_torch_worker``: step times (forward + backward + all-reduce) of d2lpar's DDP and
   ``torch.nn.parallel.DistributedDataParallel`` on the same model, data and bucket cap, real compute,
   in interleaved rounds, best of each; checks that both give the same gradients.
-* ``sweep_worker``: the device-time step for several bucket caps, and all-reduce times of several
-  sizes (to fit ``T(K) = a + K b`` for the cost model in ``d2lpar.cost.buckets``).
+* ``sweep_worker``: the device-time backward + all-reduce for several bucket caps, backward alone,
+  and ``bucket_transfer`` of one bucket of several sizes, to fit ``T(K) = a + K b`` for the cost
+  model in ``d2lpar.cost.buckets``. T(K) is measured the way DDP spends it (copies in and out
+  included), in the same run as the steps it predicts, so ``a`` holds the per-message latency of
+  gloo on this machine as it is now.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -37,7 +43,7 @@ from d2lpar.infra.timing import Timeline
 from d2lpar.strategies.data.ddp import DDP
 
 __all__ = ["overlap_worker", "versus_torch_worker", "sweep_worker", "model_and_data",
-           "COMPUTE_OVER_COMM"]
+           "bucket_transfer", "COMPUTE_OVER_COMM"]
 
 COMPUTE_OVER_COMM = 3.0  # device time of backward / all-reduce time, unless told otherwise
 
@@ -49,17 +55,33 @@ def model_and_data(width: int, depth: int, batch: int, seed: int = 0):
     return timed_mlp(width, depth, seed=seed), x, y
 
 
-def _time_comm(flats, rounds: int = 15) -> float:
-    """Best time to all-reduce the buckets back to back (as ``measure`` keeps the best of each
-    case), the same on every rank (the larger of the ranks' figures). Single rounds vary by 2x on a
-    shared CPU, so the best of many: a calibration from 5 rounds came out up to 2.6 times what the
-    same all-reduces took later."""
-    times = []
+def bucket_transfer(buckets, flats, world: int) -> None:
+    """What DDP adds to a step, without the compute: each bucket's gradients copied into its flat
+    buffer (divided by W on the way), its all-reduce started; then every all-reduce waited for and
+    the averages copied back into the gradients. ``buckets``: lists of tensors holding gradients
+    (parameters with ``.grad``, or plain tensors standing for gradients)."""
+    grads = [[p.grad if isinstance(p, nn.Parameter) else p for p in b] for b in buckets]
+    works = []
+    for gs, flat in zip(grads, flats):
+        for g, piece in zip(gs, flat.split([g.numel() for g in gs])):
+            torch.mul(g.reshape(-1), 1.0 / world, out=piece)
+        works.append(dist.all_reduce(flat, async_op=True))
+    for gs, flat, work in zip(grads, flats, works):
+        work.wait()
+        for g, piece in zip(gs, flat.split([g.numel() for g in gs])):
+            g.copy_(piece.view_as(g))
+
+
+def _time_transfer(buckets, flats, rounds: int = 15) -> float:
+    """Best time of ``bucket_transfer`` (as ``measure`` keeps the best of each case), the same on
+    every rank (the larger of the ranks' figures). Single rounds vary by 2x on a shared CPU, so the
+    best of many: a calibration from 5 rounds came out up to 2.6 times what the same all-reduces
+    took later."""
+    world, times = dist.get_world_size(), []
     for i in range(rounds + 3):
         dist.barrier()
         t0 = time.perf_counter()
-        for w in [dist.all_reduce(f, async_op=True) for f in flats]:
-            w.wait()
+        bucket_transfer(buckets, flats, world)
         if i >= 3:  # the first rounds warm up
             times.append(time.perf_counter() - t0)
     t = torch.tensor([min(times)])
@@ -74,7 +96,9 @@ def overlap_worker(cap_mb: float = 1.0, width: int = 512, depth: int = 8, batch:
     model, x, y = model_and_data(width, depth, batch)
     ddp = DDP(model, cap_mb)
     flats = [torch.zeros(sum(p.numel() for p in b)) for b in ddp.buckets]
-    comm_s = _time_comm(flats)
+    with ddp.no_sync():  # gradients to copy: the transfer is timed on them
+        nn.functional.cross_entropy(ddp(x), y).backward()
+    comm_s = _time_transfer(ddp.buckets, flats)
     shares = set_backward_time(model, compute_over_comm * comm_s if device_time else 0.0)
     lane_c, lane_n = f"rank {rank} compute", f"rank {rank} comm"
     saved: dict = {}
@@ -94,19 +118,12 @@ def overlap_worker(cap_mb: float = 1.0, width: int = 512, depth: int = 8, batch:
 
     def transfer(tl: Timeline) -> None:
         t0 = time.perf_counter()
-        for w in [dist.all_reduce(f, async_op=True) for f in flats]:
-            w.wait()
+        bucket_transfer(ddp.buckets, flats, world)
         tl.add(lane_n, "all buckets", t0, time.perf_counter())
 
     def sequential(tl: Timeline) -> None:
         compute(tl)
-        with torch.no_grad():
-            for k, b in enumerate(ddp.buckets):
-                with tl.span(lane_n, f"bucket {k}"):
-                    flat = torch.cat([p.grad.reshape(-1) for p in b]).mul_(1.0 / world)
-                    dist.all_reduce(flat)
-                for p, piece in zip(b, flat.split([p.numel() for p in b])):
-                    p.grad.copy_(piece.view_as(p))
+        transfer(tl)
         saved["expected"] = [p.grad.clone() for p in model.parameters()]
 
     def check() -> None:
@@ -154,37 +171,33 @@ def versus_torch_worker(cap_mb: float = 1.0, width: int = 512, depth: int = 8, b
 
 def sweep_worker(caps_mb, width: int = 512, depth: int = 8, batch: int = 8,
                  compute_over_comm: float = COMPUTE_OVER_COMM, repeats: int = 5,
-                 sizes=(4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)) -> dict:
-    """Backward + all-reduce time per cap (device time, best of ``repeats``), backward alone, and
-    T(K) measured for several sizes."""
+                 sizes=(4 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20)) -> dict:
+    """Backward + all-reduce time per cap (device time), backward alone (both best of ``repeats``
+    interleaved rounds, so a busy moment hits every cap alike), and T(K) of ``bucket_transfer`` for
+    one bucket of each of ``sizes`` bytes, measured right after."""
     model, x, y = model_and_data(width, depth, batch)
     total = sum(p.numel() for p in model.parameters())
-    backward_s = compute_over_comm * _time_comm([torch.zeros(total)])
-    rows = []
-    for cap in caps_mb:
-        model, _, _ = model_and_data(width, depth, batch)  # a fresh model: hooks are per DDP
+    backward_s = compute_over_comm * _time_transfer([[torch.zeros(total)]], [torch.zeros(total)])
+    runs = {}  # one model per cap, and one more for backward alone: hooks are per DDP
+    for cap in list(caps_mb) + [None]:
+        model, _, _ = model_and_data(width, depth, batch)
         shares = set_backward_time(model, backward_s)
-        ddp = DDP(model, cap)
-        best = float("inf")
-        for _ in range(repeats + 1):
+        runs[cap] = (model, DDP(model, cap or 25.0))
+    best = {cap: float("inf") for cap in runs}
+    for _ in range(repeats + 1):  # the first round warms up, and counts only if it is the best
+        for cap, (model, ddp) in runs.items():
             model.zero_grad(set_to_none=True)
-            loss = nn.functional.cross_entropy(ddp(x), y)
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss.backward()
-            best = min(best, time.perf_counter() - t0)
-        rows.append({"cap_mb": cap, "buckets": len(ddp.buckets), "step": best})
-    compute = float("inf")  # backward alone: device time plus the real work, no all-reduce
-    for _ in range(repeats + 1):
-        model.zero_grad(set_to_none=True)
-        with ddp.no_sync():
-            loss = nn.functional.cross_entropy(ddp(x), y)
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss.backward()
-        compute = min(compute, time.perf_counter() - t0)
-    allreduce = [_time_comm([torch.zeros(s // 4)]) for s in sizes]
+            with ddp.no_sync() if cap is None else contextlib.nullcontext():
+                loss = nn.functional.cross_entropy(ddp(x), y)
+                dist.barrier()
+                t0 = time.perf_counter()
+                loss.backward()  # cap None: backward alone, the device time plus the real work
+            best[cap] = min(best[cap], time.perf_counter() - t0)
+    rows = [{"cap_mb": cap, "buckets": len(runs[cap][1].buckets), "step": best[cap]}
+            for cap in caps_mb]
+    # T(K) as DDP spends it: one bucket of K bytes copied in, all-reduced, copied out
+    allreduce = [_time_transfer([[torch.zeros(s // 4)]], [torch.zeros(s // 4)]) for s in sizes]
     nbytes = [sum(p.numel() * p.element_size() for p in m.parameters()) for m in model]
     return {"rows": rows, "sizes": list(sizes), "allreduce": allreduce, "backward_s": backward_s,
-            "compute": compute,
+            "compute": best[None],
             "layers": list(zip(shares, nbytes))[::-1]}  # in the order backward reaches them

@@ -221,3 +221,23 @@ def test_bench_report_ends_with_the_worst_time_ratio():
     assert lines[-1] == ("worst d2lpar / parallelize_module step time ratio: 1.30 (misses the "
                          "target <= 1.2)")
     assert lines[2].split()[-1] == "1.000"
+
+
+def _handed(broken):
+    """One ParallelMLP forward and backward; ``broken``: f and g all-reduce in float64 (2x bytes)."""
+    if broken:
+        honest = tp._all_reduce
+        tp._all_reduce = lambda x, group, phase: honest(x.double(), group, phase).to(x.dtype)
+    model, x, gy = _single("mlp")
+    block = B.ParallelMLP(D, HID, full=model)
+    with tp.count_comms() as log:
+        block(x.clone().requires_grad_()).backward(gy)
+    return log.handed()
+
+
+def test_the_handed_tensor_check_fails_on_a_collective_that_sends_too_much():
+    formula = tp_cost.handed_formula("mlp", B_, S, D, 2)
+    assert formula == [("all_reduce", "backward", 4 * B_ * S * D), ("all_reduce", "forward", 4 * B_ * S * D)]
+    real, broken = (launch(_handed, 2, b, timeout=60)[0] for b in (False, True))
+    assert real == formula
+    assert broken != formula and [n for _, _, n in broken] == [8 * B_ * S * D] * 2

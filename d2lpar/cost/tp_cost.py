@@ -35,8 +35,8 @@ from __future__ import annotations
 from d2lpar.comm.collectives import ring_rank_formula
 from d2lpar.cost.costmodel import MACHINES, Gpu, Link, Machine, allreduce_time
 
-__all__ = ["REGIONS", "comm_formula", "dp_grad_sent", "activation_bytes", "korthikanti_bytes",
-           "layer_flops", "A100_BF16", "ACROSS_NODES", "tp_step_time"]
+__all__ = ["REGIONS", "comm_formula", "handed_formula", "dp_grad_sent", "activation_bytes", "korthikanti_bytes",
+           "layer_flops", "A100_PEAK_BF16", "A100_UTILISATION", "A100_BF16", "describe", "ACROSS_NODES", "tp_step_time"]
 
 REGIONS = {"mlp": 1, "attn": 1, "layer": 2}
 
@@ -60,6 +60,17 @@ def comm_formula(block: str, b: int, s: int, d: int, t: int, sequence_parallel: 
               else {"all_reduce": regions})
     sent = regions * ring_rank_formula(k, t)  # the sequence-parallel pair moves what the all-reduce does
     return {p: {"counts": dict(counts), "sent": sent} for p in ("forward", "backward")}
+
+
+def handed_formula(block: str, b: int, s: int, d: int, t: int, sequence_parallel: bool = False,
+                   element_size: int = 4) -> list[tuple[str, str, int]]:
+    """What ``CommLog.handed()`` must hold: every collective is handed one whole (b, s, d) activation.
+
+    An all-reduce sums it, an all-gather builds it from s/t-token pieces, a reduce-scatter cuts it.
+    """
+    k, counts = element_size * b * s * d, comm_formula(block, b, s, d, t, sequence_parallel)
+    return sorted((kind, phase, k) for phase, c in counts.items()
+                  for kind, n in c["counts"].items() for _ in range(n))
 
 
 def dp_grad_sent(params: int, n: int, element_size: int = 4) -> float:
@@ -96,7 +107,15 @@ def layer_flops(b: int, s: int, d: int, hidden: int) -> float:
 
 # Round figures, stated: an A100 peaks at 312 TFLOP/s in dense BF16 and large matrix products
 # sustain about 60% of it; eight of them share an NVSwitch (costmodel's "8 GPUs, NVSwitch").
-A100_BF16 = Gpu("A100, BF16", 0.6 * 312e12, 10e-6)
+# Notebooks 12 and 13 (and zero_cost.plan) use this one figure; describe() prints how it is made.
+A100_PEAK_BF16, A100_UTILISATION = 312e12, 0.6
+A100_BF16 = Gpu("A100, BF16", A100_UTILISATION * A100_PEAK_BF16, 10e-6)
+
+
+def describe(gpu: Gpu = A100_BF16, peak: float = A100_PEAK_BF16) -> str:
+    """One line: the GPU, its peak, the share of it sustained, and the rate the cost model uses."""
+    return (f"GPU: {gpu.name}, peak {peak / 1e12:.0f} TFLOP/s, {gpu.rate / peak:.0%} of it sustained "
+            f"= {gpu.rate / 1e12:.0f} TFLOP/s")
 
 # Between nodes each GPU has its own 200 Gb/s InfiniBand port: about 20 GB/s in practice.
 ACROSS_NODES = Machine("8 nodes, InfiniBand 200 Gb/s per GPU", 8, Link(20e9, 10e-6), 500e9)

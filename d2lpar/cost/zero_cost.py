@@ -18,6 +18,7 @@ three (parameters gathered for forward and again for backward). The links are th
 from __future__ import annotations
 
 from d2lpar.cost.costmodel import MACHINES, Machine
+from d2lpar.cost.tp_cost import A100_BF16
 from d2lpar.strategies.sharded.zero import model_state_bytes, sent_bytes
 
 __all__ = ["NAMES", "paper_table", "half_ring_time", "plan", "plan_table"]
@@ -37,10 +38,11 @@ def half_ring_time(nbytes: float, n: int, machine: Machine) -> float:
 
 
 def plan(psi: float, tokens_per_gpu: float, machine: Machine | None = None,
-         flops: float = 312e12 * 0.4, gpu_memory: float = 80e9) -> list[dict]:
+         flops: float = A100_BF16.rate, gpu_memory: float = 80e9) -> list[dict]:
     """One row per strategy: GB of model states, seconds of compute and of communication, fits?
 
-    flops: sustained FLOP/s per GPU (default: an A100's 312 TFLOP/s bf16 at 40%).
+    flops: sustained FLOP/s per GPU (default: ``tp_cost.A100_BF16``, an A100's 312 TFLOP/s bf16
+    peak at 60%, the figure notebook 12 uses too).
     """
     machine = machine or MACHINES["8 GPUs, NVSwitch"]
     n = machine.devices

@@ -81,6 +81,10 @@ class CommLog:
     def summary(self) -> dict:
         return {p: {"counts": self.counts(p), "sent": self.sent(p)} for p in ("forward", "backward")}
 
+    def handed(self) -> list[tuple[str, str, int]]:
+        """(kind, phase, bytes of the tensor handed to it) of every collective, sorted: real sizes."""
+        return sorted((c.kind, c.phase, c.nbytes) for c in self.comms)
+
 
 _logs: list[CommLog] = []
 

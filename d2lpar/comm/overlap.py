@@ -22,7 +22,8 @@ Four ways to get it:
   rank would send) done by a copy thread with one torch thread, while the main thread computes with
   one torch thread; each gets a core of its own.
 * ``gloo_overlap_worker`` (run it with ``d2lpar.processes.launch``): an asynchronous gloo all-reduce
-  (``async_op=True`` returns a handle at once; gloo works in its own thread) while the rank computes.
+  (``async_op=True`` returns a handle at once; gloo works in its own thread) while the rank
+  computes.
 * ``cuda_overlap``: the compute stream produces ``y[i]`` while a second stream copies ``y[i-1]`` to
   pinned host memory with ``non_blocking=True``; an event orders each copy after its producer, and
   ``record_stream`` keeps the caching allocator from reusing ``y[i]`` before its copy ends.
@@ -110,14 +111,15 @@ def measure(name: str, compute: Run, transfer: Run, sequential: Run, overlapped:
             check: Callable[[], None] = lambda: None) -> OverlapResult:
     """The one harness: time the four cases in interleaved rounds and keep the best of each.
 
-    ``before`` runs ahead of every timed run (a barrier, a ``cuda.synchronize``) and again before the
-    clock stops, so queued device work is counted; ``check`` runs after each overlapped run and
+    ``before`` runs ahead of every timed run (a barrier, a ``cuda.synchronize``) and again before
+    the clock stops, so queued device work is counted; ``check`` runs after each overlapped run and
     raises if it computed or delivered anything different. The timelines kept are those of the last
     round, the same round on every rank, so spans drawn from several ranks belong together.
     """
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: time each case at least once")
-    cases = {"compute": compute, "transfer": transfer, "sequential": sequential, "overlapped": overlapped}
+    cases = {"compute": compute, "transfer": transfer, "sequential": sequential,
+             "overlapped": overlapped}
     best = {k: float("inf") for k in cases}
     timelines: dict[str, Timeline] = {}
     for _ in range(repeats):

@@ -144,8 +144,8 @@ def training_loop(device: DeviceQueue, batches: Iterable, step: Callable[[Any], 
                   timeline: Timeline | None = None) -> LoopRun:
     """Run ``step(batch)`` on ``device`` for each batch, after ``host_s`` seconds of host work.
 
-    ``read_each_step=True`` reads every loss back at once (``loss.item()``); otherwise the losses are
-    added up on the device and the sum is read once, at the end. ``waits`` counts the reads that
+    ``read_each_step=True`` reads every loss back at once (``loss.item()``); otherwise the losses
+    are added up on the device and the sum is read once, at the end. ``waits`` counts the reads that
     found the device still busy: each is a synchronize, a moment the host sat idle.
     """
     waits = 0

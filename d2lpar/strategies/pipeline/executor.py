@@ -45,10 +45,10 @@ from d2lpar.infra.data import chunk_bounds
 from d2lpar.infra.timing import Span, Timeline
 from d2lpar.processes.launch import launch
 from d2lpar.strategies.pipeline.schedules import Schedule, ScheduleError, split_layers, validate
-from d2lpar.strategies.pipeline.simulator import idle_fractions, message_latency
+from d2lpar.strategies.pipeline.simulator import action_overhead, idle_fractions, message_latency
 
 __all__ = ["split_model", "check_stages", "run_schedule", "run_pipeline", "PipelineResult",
-           "idle_fractions", "message_latency"]
+           "idle_fractions", "message_latency", "action_overhead"]
 
 
 def split_model(model: nn.Sequential, stages: int) -> list[nn.Sequential]:

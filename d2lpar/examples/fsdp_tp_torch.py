@@ -1,16 +1,14 @@
 """FSDP2 across data-parallel ranks, tensor parallelism inside each group: one file, torch only.
 
-torch only: no d2lpar. The ranks form a dp x tp grid (``init_device_mesh``): each row of tp ranks
-splits every MLP's first Linear by columns and its second by rows (``parallelize_module``), and
-``fully_shard`` shards the result over the dp column. ``torch.optim.AdamW`` steps the shards;
-``get_state_dict`` + ``dcp.save`` write every rank's shards, and a rerun with the same ``--out``
-resumes (``dcp.load`` + ``set_state_dict``), on any grid. CPUs (gloo) or a GPU per process (NCCL):
+torch only: no d2lpar. The ranks form a dp x tp grid (``init_device_mesh``); each tp row splits
+every MLP's first Linear by columns and its second by rows (``parallelize_module``), ``fully_shard``
+shards that over the dp column, ``torch.optim.AdamW`` steps the shards, ``get_state_dict`` +
+``dcp.save`` write them; a rerun with the same ``--out`` resumes (``dcp.load`` + ``set_state_dict``)
+on any grid. ``--batch-size`` is global: a dp group takes B/dp rows (the same on its tp ranks), so
+any grid ends with one process's weights. CPUs (gloo) or a GPU per process (NCCL), as is:
 
     python fsdp_tp_torch.py --out ckpt                                    # one process, no mesh
     torchrun --standalone --nproc-per-node=4 fsdp_tp_torch.py --out ckpt  # dp x tp = 2 x 2
-
-``--batch-size`` is the global batch: each dp group takes B/dp rows, and both ranks of a tp group
-take the same rows, so any grid ends with one process's weights (to rounding).
 """
 
 import argparse
@@ -85,8 +83,7 @@ def main(argv=None) -> None:
         device, backend = torch.device("cpu"), "gloo"
     if world > 1:
         dist.init_process_group(backend, rank=rank, world_size=world)
-    # FSDP2 warns that a block returns a view (RowwiseParallel's output): no in-place op follows;
-    # DCP that one process has no group (meant) and that a rerun overwrites the checkpoint (meant)
+    # meant: a block returns a view (no in-place op follows), one process, a rerun overwrites
     for said in ("FSDP2-wrapped module", "torch.distributed is disabled", "Detected an existing"):
         warnings.filterwarnings("ignore", message=said)
     try:

@@ -49,10 +49,10 @@ def machine_report() -> str:
         lines.append(f"The course runs on {gpus} real GPUs; notebooks that want more simulate "
                      "them on the CPU.")
     elif gpus == 1:
-        lines.append("The course runs on the one GPU where one device is enough, and simulates "
-                     "several devices (or gloo ranks) on the CPU where it needs more.")
+        lines.append("The course runs on the one GPU where one device is enough,\n"
+                     "and simulates several devices (or gloo ranks) on the CPU where it needs more.")
     else:
-        lines.append("The course simulates devices on the CPU (cpu:0, cpu:1, ...) and runs ranks "
-                     "as processes talking gloo over loopback: results, bytes and schedules are "
-                     "real; speed-ups are predicted by the cost model, not measured.")
+        lines.append("The course simulates devices on the CPU (cpu:0, cpu:1, ...) and runs ranks\n"
+                     "as processes talking gloo over loopback: results, bytes and schedules are real;\n"
+                     "speed-ups are predicted by the cost model, not measured.")
     return "\n".join(lines)

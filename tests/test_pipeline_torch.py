@@ -1,0 +1,79 @@
+"""d2lpar/examples/pipeline_torch.py: 2 pipeline ranks end with one process's weights.
+
+The script is copied into an empty folder and run from there with d2lpar out of reach: once under
+``torchrun`` on 2 ranks with ``Schedule1F1B`` (the only torchrun start here, ~5-9 s), once in this
+process as one process on the whole batch. The stages' saved weights must have moved from the
+start and agree with the one process's; the printed losses must agree. Notebook 11 runs it under
+torchrun with ``ScheduleGPipe``. Bad input is one sentence, checked in this process.
+"""
+
+import re
+import runpy
+import shutil
+import sys
+
+import pytest
+import torch
+
+from d2lpar.processes.commands import REPO, leftovers, run
+
+SCRIPT = REPO / "d2lpar" / "examples" / "pipeline_torch.py"
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def script(tmp_path, monkeypatch):
+    """The script's names, from a copy in an empty folder, with every d2lpar module blocked."""
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    shutil.copy(SCRIPT, tmp_path / SCRIPT.name)
+    with monkeypatch.context() as m:
+        for name in [n for n in list(sys.modules) if n.split(".")[0] == "d2lpar"] + ["d2lpar"]:
+            m.setitem(sys.modules, name, None)
+        names = runpy.run_path(str(tmp_path / SCRIPT.name), run_name="copy_of_pipeline_torch")
+    yield names
+    assert leftovers() == [], "a launcher or worker outlived its test"
+
+
+def losses(text: str) -> list[str]:
+    return re.findall(r"step \d+, loss (\d+\.\d+)", text)
+
+
+def test_two_ranks_equal_one_process(script, tmp_path, capsys):
+    shadow = tmp_path / "shadow" / "d2lpar"  # first on the ranks' path: importing d2lpar fails
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('a torch-only script imported d2lpar')\n")
+    job = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(tmp_path / SCRIPT.name), "--schedule", "1F1B", "--out", str(tmp_path / "two")],
+              env={"PYTHONPATH": str(shadow.parent)}, cwd=tmp_path, timeout=180)
+    assert "rank 1 of 2 (1F1B, cpu): step 3, loss" in job.text()
+    one = script["main"](["--out", str(tmp_path / "one")])
+    printed = capsys.readouterr().out
+    assert "rank 0 of 1 (no pipeline, cpu): step 3" in printed
+    assert losses(job.text()) == losses(printed) and len(losses(printed)) == 3
+    two = {k: v for r in range(2) for k, v in torch.load(tmp_path / "two" / f"stage{r}.pt").items()}
+    initial = script["make_data_and_model"](8, 64)[2].state_dict()
+    assert sorted(two) == sorted(one) == sorted(initial)
+    for name, value in one.items():
+        assert not torch.equal(value, initial[name]), f"{name} did not move"
+        torch.testing.assert_close(two[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+def test_bad_input_is_one_sentence(script, tmp_path, monkeypatch):
+    main, Usage = script["main"], script["Usage"]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(Usage, match="^LOCAL_RANK, MASTER_ADDR, MASTER_PORT not set: start with torchrun"):
+        main([])
+    for name, value in (("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(Usage, match="^--layers 8 does not split evenly over 3 ranks: use a multiple of 3"):
+        main([])
+    with pytest.raises(Usage, match="^--microbatches 2 is fewer than the 3 stages"):
+        main(["--layers", "9", "--microbatches", "2"])
+    with pytest.raises(Usage, match="^--batch-size 10 does not cut into 4 equal micro-batches"):
+        main(["--layers", "9", "--batch-size", "10"])
+    (tmp_path / "a_file").write_text("in the way")
+    with pytest.raises(Usage, match="^cannot write to --out .*a_file/run"):
+        main(["--layers", "9", "--out", str(tmp_path / "a_file" / "run")])

@@ -5,7 +5,8 @@ import pytest
 
 from d2lpar.cost import bubble
 from d2lpar.strategies.pipeline import schedules as P
-from d2lpar.strategies.pipeline.simulator import simulate
+from d2lpar.infra.check import CheckFailed, check
+from d2lpar.strategies.pipeline.simulator import action_overhead, message_latency, simulate, waits
 from d2lpar.strategies.pipeline.schedules import Action, Schedule, ScheduleError
 
 
@@ -93,3 +94,68 @@ def test_bad_arguments_say_what_to_do():
 def test_formulas_disagree_where_they_should():
     assert bubble.idle_fraction("GPipe", 4, 1) == 0.75 and bubble.megatron_ratio(4, 1) == 3.0
     assert bubble.idle_fraction("ZB-H1", 4, 8) < bubble.idle_fraction("1F1B", 4, 8)
+
+
+# ------------------------------------------- the checks of notebook 11 fail on broken schedules
+
+NAMES4 = ("GPipe", "1F1B", "interleaved 1F1B", "ZB-H1")
+
+
+def _ws_last(p, m):
+    """A broken ZB-H1: the backward split into I and W, but every W left at the end (none in the bubble)."""
+    s = P.one_f_one_b(p, m)
+    order = [[Action(a.stage, "I", a.mb) if a.kind == "B" else a for a in acts]
+             + [Action(r, "W", k) for k in range(m)] for r, acts in enumerate(s.order)]
+    return Schedule("ZB-H1", p, m, order)
+
+
+def _not_interleaved(p, m, v=2):
+    """A broken interleaving: v stages per rank, but each micro-batch goes round the ranks v times
+    before the next one starts (depth first), so the ranks mostly wait for each other."""
+    s = P.interleaved_1f1b(p, m, v)
+    order = []
+    for acts in s.order:
+        fwd = sorted((a for a in acts if a.kind == "F"), key=lambda a: (a.mb, a.stage))
+        bwd = sorted((a for a in acts if a.kind == "B"), key=lambda a: (a.mb, -a.stage))
+        order.append(fwd + bwd)
+    return Schedule("interleaved 1F1B", p, m, order, stages_per_rank=v)
+
+
+def _claims(make):
+    b = {n: simulate(make(n), {"F": 1 / (2 if n.startswith("inter") else 1),
+                               "B": 2 / (2 if n.startswith("inter") else 1), "I": 1, "W": 1}).bubble
+         for n in NAMES4}
+    return dict(bubble.ordering_claims(b))
+
+
+def test_the_bubble_ordering_holds_and_fails_on_broken_schedules():
+    real = lambda n: P.make_schedule(n, 4, 8, 2 if n.startswith("inter") else None)
+    assert all(_claims(real).values())
+    broken_zb = _claims(lambda n: _ws_last(4, 8) if n == "ZB-H1" else real(n))
+    assert not broken_zb["ZB-H1 idles less than interleaved 1F1B"]
+    broken_int = _claims(lambda n: _not_interleaved(4, 8) if n.startswith("inter") else real(n))
+    assert not broken_int["interleaved 1F1B idles less than GPipe and 1F1B"]
+    # the notebook asserts each claim with check(): a broken schedule stops it
+    with pytest.raises(CheckFailed, match="interleaved 1F1B idles less"):
+        for claim, ok in bubble.ordering_claims({"GPipe": 0.27, "1F1B": 0.27, "interleaved 1F1B": 0.27,
+                                                 "ZB-H1": 0.11}, measured=True):
+            check(claim, ok)
+
+
+def test_the_simulator_against_formula_check_names_a_broken_generator():
+    rows, mismatches = bubble.against_simulator(ps=(2, 4), ms=(4, 8))
+    assert mismatches == [] and len(rows) == 4
+    serial = lambda p, m: Schedule("1F1B", p, m, [[Action(r, k, i) for i in range(m) for k in "FB"]
+                                                  for r in range(p)])   # valid, but no pipelining
+    make = lambda name, p, m, v: serial(p, m) if name == "1F1B" else P.make_schedule(name, p, m, v)
+    _, mismatches = bubble.against_simulator(ps=(2, 4), ms=(4, 8), make=make)
+    assert len(mismatches) == 4 and all(x.startswith("1F1B p=") for x in mismatches)
+
+
+def test_latency_and_overhead_read_off_a_timeline_and_replayed():
+    s = P.gpipe(2, 2)
+    sim = simulate(s, latency=0.25, overhead=0.1)
+    assert waits(sim.timeline, s)[0] == [0.25, 0.25]          # 1F0 and 0B1 wait for a message
+    assert message_latency(sim.timeline, s) == 0.25
+    assert abs(action_overhead(sim.timeline, s) - 0.1) < 1e-12
+    assert simulate(s, latency=0.25, overhead=0.1).bubble > simulate(s, latency=0.25).bubble > simulate(s).bubble

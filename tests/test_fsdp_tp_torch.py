@@ -56,7 +56,7 @@ def test_four_ranks_equal_one_process(script, tmp_path):
               env={"PYTHONPATH": str(shadow.parent)}, cwd=tmp_path, timeout=180)
     assert "rank 0 of 4 (dp 2 x tp 2, cpu): step 4" in job.text()
     assert "_StridedShard" in job.text()  # FSDP2's shard of a TP shard: the 2D placement
-    script["main"](["--out", str(tmp_path / "one")])
+    script["main"](["--out", str(tmp_path / "one"), "--cpu"])
     four, one = weights(script, tmp_path / "four"), weights(script, tmp_path / "one")
     initial = script["make_data_and_model"](0)[1].state_dict()
     for name, value in one.items():

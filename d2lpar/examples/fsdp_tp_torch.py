@@ -61,6 +61,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=32, help="global batch, split over dp")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu", action="store_true", help="gloo on the CPU even where there are GPUs")
     args = p.parse_args(argv)
     rank, world, local_rank = who_am_i()
     tp = args.tp if world > 1 else 1
@@ -76,7 +77,7 @@ def main(argv=None) -> None:
         tempfile.TemporaryFile(dir=args.out).close()
     except OSError as e:
         raise Usage(f"cannot write to --out {args.out} ({e.strerror}): give a folder you can write")
-    if torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1)):
+    if not args.cpu and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1)):
         torch.cuda.set_device(local_rank)  # a GPU of its own for every process on this node
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:

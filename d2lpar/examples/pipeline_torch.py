@@ -7,7 +7,7 @@ targets and gets the loss. The loss is each micro-batch's mean; torch divides th
 (``scale_grads=True``), so W ranks take the steps one process takes on the whole batch. On CPUs
 (gloo) or a GPU per process (NCCL), as is:
 
-    python pipeline_torch.py                                              # one process: no pipeline
+    python pipeline_torch.py                        # one process: the whole model, no pipeline
     torchrun --standalone --nproc-per-node=2 pipeline_torch.py --schedule 1F1B --out run
 """
 
@@ -76,7 +76,7 @@ def main(argv=None) -> dict:
             os.makedirs(args.out, exist_ok=True)
             tempfile.TemporaryFile(dir=args.out).close()
     except OSError as e:
-        raise Usage(f"cannot write to --out {args.out} ({e.strerror}): give a folder you can write")
+        raise Usage(f"cannot write to --out {args.out} ({e.strerror}): give a writable folder")
     gpus = torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if gpus:  # a GPU of its own for every process here
         torch.cuda.set_device(local_rank)

@@ -120,7 +120,8 @@ class _Stage:
                 self.saved[mb] = {"x": x, "out": out if loss is None else loss}
             else:   # layer by layer, detached between layers: I and W can then be run apart
                 pieces, h = [], x
-                for layer in self.layers + ([lambda o: loss_fn(o, target) * weight] if loss_fn else []):
+                loss_layer = [lambda o: loss_fn(o, target) * weight] if loss_fn else []
+                for layer in self.layers + loss_layer:
                     inp = h.detach().requires_grad_(h.requires_grad)
                     h = layer(inp)
                     if h.requires_grad:
@@ -132,7 +133,8 @@ class _Stage:
         return out, loss
 
     def backward(self, mb: int, grad: torch.Tensor | None, kind: str):
-        """B: the whole backward; I: input gradient only; W: weight gradients. Returns the input's grad."""
+        """B: the whole backward; I: input gradient only; W: weight gradients.
+        Returns the gradient of the stage's input (None for W)."""
         saved = self.saved[mb]
         if not self.split:
             out = saved.pop("out")
@@ -144,7 +146,10 @@ class _Stage:
             for inp, out in reversed(saved["pieces"]):
                 g = torch.ones_like(out) if g is None else g
                 todo.append((out, g))
-                g = torch.autograd.grad(_dot([out], [g]), inp, retain_graph=True)[0] if inp.requires_grad else None
+                if not inp.requires_grad:   # the stage's input is the batch: nothing to send back
+                    g = None
+                    continue
+                g = torch.autograd.grad(_dot([out], [g]), inp, retain_graph=True)[0]   # input only
             saved["todo"] = todo
             del saved["pieces"]
             return g
@@ -161,9 +166,10 @@ class _Stage:
 LOOKAHEAD = 8
 
 
-def run_schedule(schedule: Schedule, modules: dict[int, nn.Module], X: torch.Tensor, y: torch.Tensor,
-                 loss_fn, shapes: list[list[tuple]], wait: dict[str, float] | None = None) -> dict:
-    """This rank's part of one training step (call inside a launched rank; gradients land in .grad).
+def run_schedule(schedule: Schedule, modules: dict[int, nn.Module], X: torch.Tensor,
+                 y: torch.Tensor, loss_fn, shapes: list[list[tuple]],
+                 wait: dict[str, float] | None = None) -> dict:
+    """This rank's part of one training step (inside a launched rank; gradients land in .grad).
 
     Returns this rank's spans, the loss of the micro-batches its last stage saw, and per stage the
     peak bytes of saved activations and the bytes of one micro-batch's activations.
@@ -226,8 +232,8 @@ def run_schedule(schedule: Schedule, modules: dict[int, nn.Module], X: torch.Ten
         t0 = time.perf_counter()
         if a.kind == "F":
             last = s == S - 1
-            out, l = st.forward(mb, x, loss_fn if last else None, y[lo:hi].to(device) if last else None,
-                                (hi - lo) / len(X))
+            out, l = st.forward(mb, x, loss_fn if last else None,
+                                y[lo:hi].to(device) if last else None, (hi - lo) / len(X))
         else:
             gx = st.backward(mb, g if a.kind != "W" else None, a.kind)
         if wait and wait.get(a.kind):   # the stand-in device finishes, then the result can be sent

@@ -82,14 +82,22 @@ class Schedule:
         return format_order(self)
 
 
-def format_order(schedule: Schedule, mark: Action | None = None) -> str:
-    """The rank x step grid, one row per rank; ``mark`` is shown as ``>1F0<``."""
+def format_order(schedule: Schedule, mark: Action | None = None, columns: int = 96) -> str:
+    """The rank x step grid, one row per rank; ``mark`` is shown as ``>1F0<``. A grid wider than
+    ``columns`` characters is cut into blocks of steps, one under the other, blank-line apart."""
     width = max((len(str(a)) for acts in schedule.order for a in acts), default=3) + 2
     lines = [f"{schedule.name}: p={schedule.ranks}, m={schedule.microbatches}"
              + (f", v={schedule.stages_per_rank}" if schedule.stages_per_rank > 1 else "")]
-    for r, acts in enumerate(schedule.order):
-        cells = [(f">{a}<" if a == mark else f" {a} ").rjust(width) for a in acts]
-        lines.append(f"rank {r}:" + "".join(cells))
+    label = len(f"rank {schedule.ranks - 1}:")
+    per_block = max(1, (columns - label) // width)
+    steps = max((len(acts) for acts in schedule.order), default=0)
+    for first in range(0, max(steps, 1), per_block):
+        if first:
+            lines.append("")
+        for r, acts in enumerate(schedule.order):
+            cells = [(f">{a}<" if a == mark else f" {a} ").rjust(width)
+                     for a in acts[first:first + per_block]]
+            lines.append(f"rank {r}:".ljust(label) + "".join(cells))
     return "\n".join(lines)
 
 
@@ -116,10 +124,11 @@ def naive(p: int) -> Schedule:
 
 
 def one_f_one_b(p: int, m: int) -> Schedule:
-    """1F1B (PipeDream-flush): p-1-r warm-up forwards, then one forward one backward, then the rest.
+    """1F1B (PipeDream-flush): p-1-r warm-up forwards, then one forward one backward, then the
+    rest.
 
-    With m < p it still runs correctly: warm-up is cut to m and the schedule is GPipe's on the first
-    stages (there are not enough micro-batches to alternate), with the same bubble as GPipe.
+    With m < p it still runs correctly: warm-up is cut to m and the schedule is GPipe's on the
+    first stages (there are not enough micro-batches to alternate), with GPipe's bubble.
     """
     _check(p, m)
     order = []
@@ -136,8 +145,8 @@ def one_f_one_b(p: int, m: int) -> Schedule:
 def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
     """Megatron's interleaved 1F1B: v stages per rank (looped), micro-batches in groups of p.
 
-    Rank r's k-th forward is micro-batch (k // pv) p + k % p on its chunk (k // p) % v; backwards go
-    through the chunks in reverse. Warm-up: 2(p - 1 - r) + (v - 1) p forwards (all of them when m = p).
+    Rank r's k-th forward is micro-batch (k // pv) p + k % p on its chunk (k // p) % v; backwards
+    go through the chunks in reverse. Warm-up: 2(p - 1 - r) + (v - 1) p forwards (all when m = p).
     """
     _check(p, m)
     if not isinstance(v, int) or v < 1:
@@ -147,9 +156,9 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
         s.name = "interleaved 1F1B"
         return s
     if m % p:
-        raise ScheduleError(f"interleaved 1F1B sends micro-batches round the ranks in groups of p={p}, "
-                            f"so m must be a multiple of p: m={m} is not. Use m={m + (-m) % p} (or m={m - m % p}"
-                            f"), or plain 1F1B")
+        raise ScheduleError(f"interleaved 1F1B sends micro-batches round the ranks in groups of "
+                            f"p={p}, so m must be a multiple of p: m={m} is not. Use "
+                            f"m={m + (-m) % p} (or m={m - m % p}), or plain 1F1B")
     total = m * v
 
     def action(r: int, k: int, kind: str) -> Action:
@@ -174,9 +183,9 @@ def zb_h1(p: int, m: int) -> Schedule:
 
     Rank r: p - r warm-up forwards; then for each micro-batch k its I, the W of micro-batch k - r
     (rank r's Ws lag r micro-batches behind its Is), and the next forward; then the remaining Ws.
-    Only F and I are on the critical path (the next stage waits for them, nobody waits for a W), so
-    the bubble shrinks from (p - 1)(tF + tB) to (p - 1)(tF + tI - tW) when m >= p. Every stage holds
-    at most min(p, m) micro-batches until their W: 1F1B's largest (its first stage's), on every stage.
+    Only F and I are on the critical path (the next stage waits for them, nobody waits for a W),
+    so the bubble shrinks from (p - 1)(tF + tB) to (p - 1)(tF + tI - tW) when m >= p. Every stage
+    holds at most min(p, m) micro-batches until their W: 1F1B's largest (its first stage's).
     """
     _check(p, m)
     order = []

@@ -27,7 +27,7 @@ __all__ = ["TORCH_SCHEDULES", "torch_pipeline_worker"]
 
 TORCH_SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B",
                    "interleaved 1F1B": "ScheduleInterleaved1F1B",
-                   "ZB (interleaved zero bubble)": "ScheduleInterleavedZeroBubble"}
+                   "interleaved ZB": "ScheduleInterleavedZeroBubble"}
 MULTI_STAGE = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleLoopedBFS"}
 
 

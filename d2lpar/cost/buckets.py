@@ -66,7 +66,8 @@ class BucketRun:
 
 
 def bucket_schedule(layers: Sequence[tuple[float, int]], cap: int,
-                    allreduce_s: Callable[[float], float], first_cap: int | None = None) -> BucketRun:
+                    allreduce_s: Callable[[float], float],
+                    first_cap: int | None = None) -> BucketRun:
     """``layers``: (backward seconds, gradient bytes) in the order backward reaches them;
     ``first_cap``: the first bucket's cap (torch's default: ``TORCH_FIRST_BUCKET``)."""
     ready_at, t = [], 0.0
@@ -179,8 +180,8 @@ def against_measured(rows, layers, a: float, b: float,
         verdict = [f"the model predicts every cap within {tolerance:.0%} ({where})"]
     else:
         side = "above" if gaps[worst] > 0 else "below"
-        verdict = [f"the model and the measurement disagree: {where}, measured {side} the model "
-                   f"(more than {tolerance:.0%})"]
+        verdict = [f"the model and the measurement disagree: {where} (measured {side}, "
+                   f"over {tolerance:.0%})"]
     measured = {row["cap_mb"]: row["step"] for row in rows}
     fastest, model_pick = min(measured, key=measured.get), min(predicted, key=predicted.get)
     lost = measured[model_pick] / measured[fastest] - 1

@@ -50,7 +50,8 @@ _MB = 2 ** 20
 _DTYPES = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def assign_buckets(nbytes: Sequence[int], cap: int, first_cap: int | None = None) -> list[list[int]]:
+def assign_buckets(nbytes: Sequence[int], cap: int,
+                   first_cap: int | None = None) -> list[list[int]]:
     """Cut a list of gradient sizes (in the order they become ready) into buckets, as torch does.
 
     Returns lists of positions into ``nbytes``. A bucket closes as soon as it holds at least its cap

@@ -11,6 +11,7 @@ def test_overlap_verdict_reads_the_ratio():
     assert overlap_verdict(0.18, 0.10, 0.08).startswith("no overlap in this run (1.80x")
     assert "50% of the shorter one hid" in overlap_verdict(0.14, 0.10, 0.08)
     assert hidden_fraction(0.10, 0.10, 0.08) == pytest.approx(1.0)
+    assert overlap_verdict(0.07, 0.10, 0.08).startswith("below the limit (0.70x")
     assert max(len(overlap_verdict(t, 0.1, 0.08, "all-reduce", "backward")) for t in (0.1, 0.14, 0.18)) < 100
 
 

@@ -7,7 +7,8 @@ so that what the reader sees always agrees with the numbers above it. Each funct
 * ``overlap_verdict(overlapped, a, b)``: two jobs of times a and b run together in ``overlapped``;
   the limit is max(a, b) (perfect overlap), one after the other is a + b. The verdict reads the
   ratio r = overlapped / max(a, b) against that range, and the share of the shorter job that hid:
-  hidden = (a + b - overlapped) / min(a, b).
+  hidden = (a + b - overlapped) / min(a, b). Below the limit (r < 1) no overlap explains it: the
+  cases were timed under different load, and the verdict says so.
 * ``compare_verdict(name_a, a, name_b, b)``: which of two times is shorter, and whether the
   difference is larger than the run-to-run spread given (default 5 %).
 * ``agreement_verdict(measured, predicted, tolerance)``: whether a measurement is within a stated
@@ -34,6 +35,8 @@ def overlap_verdict(overlapped: float, a: float, b: float, what: str = "transfer
     limit, serial = max(a, b), a + b
     ratio, hidden = overlapped / limit, hidden_fraction(overlapped, a, b)
     figures = f"({ratio:.2f}x the limit, {serial / limit:.2f}x one after the other)"
+    if ratio < 1 - close:   # less than the longer part alone: the runs did not see the same machine
+        return f"below the limit {figures}: the cases ran under different load; time them again"
     if ratio <= 1 + close:
         return f"overlapped {figures}: the {what} hid behind the {behind}"
     if hidden <= 0.15:

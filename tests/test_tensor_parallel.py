@@ -225,14 +225,17 @@ def test_bench_report_ends_with_the_worst_time_ratio():
 
 def _handed(broken):
     """One ParallelMLP forward and backward; ``broken``: f and g all-reduce in float64 (2x bytes)."""
+    honest = tp._all_reduce
     if broken:
-        honest = tp._all_reduce
         tp._all_reduce = lambda x, group, phase: honest(x.double(), group, phase).to(x.dtype)
-    model, x, gy = _single("mlp")
-    block = B.ParallelMLP(D, HID, full=model)
-    with tp.count_comms() as log:
-        block(x.clone().requires_grad_()).backward(gy)
-    return log.handed()
+    try:
+        model, x, gy = _single("mlp")
+        block = B.ParallelMLP(D, HID, full=model)
+        with tp.count_comms() as log:
+            block(x.clone().requires_grad_()).backward(gy)
+        return log.handed()
+    finally:
+        tp._all_reduce = honest
 
 
 def test_the_handed_tensor_check_fails_on_a_collective_that_sends_too_much():

@@ -3,8 +3,9 @@ import torch
 
 from d2lpar.processes.launch import launch
 import d2lpar.comm.overlap as overlap_module
-from d2lpar.comm.overlap import (OverlapResult, cpu_overlap, cuda_overlap, gloo_overlap_worker,
-                                 matmul_loop, prefetch, simulated_overlap, unsynchronized_readback)
+from d2lpar.comm.cuda_streams import cuda_overlap, prefetch, unsynchronized_readback
+from d2lpar.comm.overlap import (OverlapResult, cpu_overlap, gloo_overlap_worker, matmul_loop,
+                                 simulated_overlap)
 
 
 def test_result_ratio_and_table():

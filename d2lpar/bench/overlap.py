@@ -16,7 +16,8 @@ import argparse
 
 import torch
 
-from d2lpar.comm.overlap import cpu_overlap, cuda_overlap, simulated_overlap
+from d2lpar.comm.cuda_streams import cuda_overlap
+from d2lpar.comm.overlap import cpu_overlap, simulated_overlap
 from d2lpar.infra.timing import load_line
 
 

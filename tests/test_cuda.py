@@ -60,3 +60,13 @@ def test_a_model_gives_the_same_output_on_the_gpu():
     net, X = lenet(seed=0), torch.rand(8, 1, 28, 28)
     check_close("LeNet on cuda", net.to("cuda")(X.to("cuda")).cpu(), lenet(seed=0)(X),
                 rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.cuda
+def test_dataparallel_on_the_gpus_gives_one_device_s_output():
+    from torch import nn
+    from d2lpar.infra.models import lenet
+    X = torch.rand(8, 1, 28, 28)
+    wrapped = nn.DataParallel(lenet(seed=0).to("cuda"))
+    check_close("nn.DataParallel on every visible GPU", wrapped(X.to("cuda")).cpu(), lenet(seed=0)(X),
+                rtol=1e-4, atol=1e-5)

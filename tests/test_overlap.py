@@ -61,7 +61,7 @@ def test_prefetch_delivers_every_batch_unchanged_on_the_cpu():
     assert list(prefetch([], "cpu")) == []
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_prefetch_on_a_gpu_delivers_every_batch():
     batches = [(torch.randn(256, 256), torch.arange(256) + i) for i in range(4)]
     out = [tuple(t.cpu() for t in b) for b in prefetch(batches, "cuda")]
@@ -112,7 +112,7 @@ def test_cuda_paths_say_what_to_use_without_a_gpu():
         unsynchronized_readback("cuda")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_cuda_overlap_on_a_gpu():
     r = cuda_overlap("cuda", pieces=4, size=512, repeats=2)
     assert r.overlapped > 0 and len(r.timelines["compute while copying"]) == 8

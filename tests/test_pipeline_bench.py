@@ -5,7 +5,7 @@ from d2lpar.cost import bubble
 
 
 def test_bubble_rows_pair_each_measurement_with_its_formula_and_simulation():
-    rows = bench.bubbles(ps=(2,), ms=(1, 2), tf=0.004)
+    rows = bench.bubbles(ps=(2,), ms=(1, 2), tf=0.004, repeats=2)
     assert [(r.p, r.m, r.schedule) for r in rows] == [
         (2, 1, "naive"), (2, 1, "GPipe"), (2, 1, "1F1B"), (2, 1, "ZB-H1"),
         (2, 2, "GPipe"), (2, 2, "1F1B"), (2, 2, "interleaved 1F1B"), (2, 2, "ZB-H1")]

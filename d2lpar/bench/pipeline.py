@@ -8,15 +8,15 @@ Part 2 (bubble): for p in {2, 4}, m in {1, 2, 4, 8, 16} and each schedule (naive
 interleaved with v = 2 only when p divides m), each action lasts a calibrated time (``--tf`` for a
 forward, twice that for a backward; I and W one each; the real computation is small and the rest is
 a wait standing in for a device), so that p ranks behave like p devices on a machine with fewer
-cores. The idle fraction is measured from the ranks' timelines (mean over ranks) after one warm-up
-step, and printed beside the formula (``d2lpar.cost.bubble``), the simulator with the same
-durations, and the simulator given also what this run measured on the ranks: the median message
-latency (a sender's end to a waiting receiver's start) and the median gap between two actions of a
-rank (posting receives, sending; per schedule), the latency pooled over all runs on p ranks, since
-a run has few receivers that waited. The formula assumes both are zero, so the measured bubble sits
-above it; the simulator with them should meet the measurement. The line before last is the largest
-|measured - formula|, the last the largest |measured - simulated with latency| (late wake-ups on a
-busy machine push both up).
+cores. The idle fraction is measured from the ranks' timelines (mean over ranks; median of three
+timed steps after one warm-up step), and printed beside the formula (``d2lpar.cost.bubble``), the
+simulator with the same durations, and the simulator given also what this run measured on the
+ranks: the median message latency (a sender's end to a waiting receiver's start) and the median gap
+between two actions of a rank (posting receives, sending; per schedule), the latency pooled over
+all runs on p ranks, since a run has few receivers that waited. The formula assumes both are zero,
+so the measured bubble sits above it; the simulator with them should meet the measurement. The line
+before last is the largest |measured - formula|, the last the largest |measured - simulated with
+latency| (late wake-ups on a busy machine push both up).
 """
 
 from __future__ import annotations
@@ -53,14 +53,14 @@ def _durations(s: P.Schedule, tf: float) -> dict[str, float]:
 
 
 def _bench_worker(runs, X, y, repeats: int, warmup: int):
-    """Each run: (schedule, stages, shapes, wait); returns per run this rank's spans of the last step
-    and the wall time of each timed step."""
+    """Each run: (schedule, stages, shapes, wait); returns per run this rank's spans of each timed
+    step and the wall time of each timed step."""
     rank, out = dist.get_rank(), []
     for schedule, stages, shapes, wait in runs:
         mine = {s: stages[s] for s in schedule.stages_of(rank)}
         for _ in range(warmup):
             run_schedule(schedule, mine, X, y, nn.functional.cross_entropy, shapes, wait)
-        times = []
+        times, steps = [], []
         for _ in range(repeats):
             for mod in mine.values():
                 mod.zero_grad(set_to_none=True)
@@ -68,7 +68,8 @@ def _bench_worker(runs, X, y, repeats: int, warmup: int):
             t0 = time.perf_counter()
             res = run_schedule(schedule, mine, X, y, nn.functional.cross_entropy, shapes, wait)
             times.append(time.perf_counter() - t0)
-        out.append({"spans": res["spans"], "times": times})
+            steps.append(res["spans"])
+        out.append({"steps": steps, "times": times})
     return out
 
 
@@ -102,8 +103,10 @@ class BubbleRow(NamedTuple):
     with_latency: float  # the simulator given the durations, the latency and the overhead
 
 
-def bubbles(ps=(2, 4), ms=(1, 2, 4, 8, 16), tf: float = 0.02) -> list[BubbleRow]:
-    """One BubbleRow per (p, m, schedule), measured with calibrated waits."""
+def bubbles(ps=(2, 4), ms=(1, 2, 4, 8, 16), tf: float = 0.02, repeats: int = 3) -> list[BubbleRow]:
+    """One BubbleRow per (p, m, schedule), measured with calibrated waits: the median over
+    ``repeats`` timed steps (one action that overruns on a busy machine moves one step, not the
+    figure)."""
     X, y = torch.randn(16 * 4, 32, generator=torch.Generator().manual_seed(0)), torch.arange(64) % 10
     rows = []
     for p in ps:
@@ -115,15 +118,16 @@ def bubbles(ps=(2, 4), ms=(1, 2, 4, 8, 16), tf: float = 0.02) -> list[BubbleRow]
                 s = P.make_schedule(name, p, m, 2 if name == "interleaved 1F1B" else None)
                 stages = split_model(_model(32), s.stages)
                 runs.append((s, stages, check_stages(stages, X, s.microbatches), _durations(s, tf)))
-        results = launch(_bench_worker, p, runs, X, y, 1, 1, timeout=600)
-        timelines = [Timeline(Span(*sp) for r in results for sp in r[i]["spans"]) for i in range(len(runs))]
+        results = launch(_bench_worker, p, runs, X, y, repeats, 1, timeout=600)
+        steps = [[Timeline(Span(*sp) for r in results for sp in r[i]["steps"][k]) for k in range(repeats)]
+                 for i in range(len(runs))]
         # the message latency is the machine's: pooled over every run on these p ranks (a run has
         # few waiting receivers); the gap between actions is the executor's, per schedule
-        lat = median([x for tl, run in zip(timelines, runs) for x in waits(tl, run[0])[0]])
-        for tl, (s, _, _, wait) in zip(timelines, runs):
-            measured = statistics.fmean(idle_fractions(tl, p))
+        lat = median([x for tls, run in zip(steps, runs) for tl in tls for x in waits(tl, run[0])[0]])
+        for tls, (s, _, _, wait) in zip(steps, runs):
+            measured = statistics.median(statistics.fmean(idle_fractions(tl, p)) for tl in tls)
             formula = bubble.idle_fraction(s.name, p, s.microbatches, s.stages_per_rank)
-            ovh = median(waits(tl, s)[1])
+            ovh = median([x for tl in tls for x in waits(tl, s)[1]])
             rows.append(BubbleRow(p, s.microbatches, s.name, measured, formula, simulate(s, wait).bubble,
                                   lat, ovh, simulate(s, wait, latency=lat, overhead=ovh).bubble))
     return rows
@@ -133,7 +137,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m d2lpar bench pipeline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tf", type=float, default=0.02, help="seconds a forward lasts (default 0.02)")
-    parser.add_argument("--quick", action="store_true", help="m in {1, 4, 8} and 5 timed steps only")
+    parser.add_argument("--quick", action="store_true",
+                        help="m in {1, 4, 8}, 5 timed steps of real compute, one of each bubble")
     parser.add_argument("--skip-torch", action="store_true", help="skip the comparison with torch")
     args = parser.parse_args(argv)
     if load_line():
@@ -143,7 +148,8 @@ def main(argv=None) -> int:
         for name, d2, th in step_times(repeats=5 if args.quick else 10):
             print(f"  {name:>5}: d2lpar {d2 * 1e3:7.1f} ms, torch.distributed.pipelining {th * 1e3:7.1f} ms, "
                   f"ratio {d2 / th:.2f} (target <= 1.2)")
-    rows = bubbles(ms=(1, 4, 8) if args.quick else (1, 2, 4, 8, 16), tf=args.tf)
+    rows = bubbles(ms=(1, 4, 8) if args.quick else (1, 2, 4, 8, 16), tf=args.tf,
+                   repeats=1 if args.quick else 3)
     print(table(rows))
     return 0
 

@@ -1,11 +1,10 @@
 """Pipeline parallelism in one file, torch only: ``torch.distributed.pipelining``, a manual split.
 
-torch only: no d2lpar. Rank r of W holds layers [r L/W, (r+1) L/W) of one ``nn.Sequential``
-(built from the same seed on every rank) in a ``PipelineStage``; ``ScheduleGPipe`` or
-``Schedule1F1B`` runs each step on m micro-batches: rank 0 feeds the batch, the last rank the
-targets and gets the loss. The loss is each micro-batch's mean; torch divides the gradients by m
-(``scale_grads=True``), so W ranks take the steps one process takes on the whole batch. On CPUs
-(gloo) or a GPU per process (NCCL), as is:
+torch only: no d2lpar. Rank r of W keeps layers [r L/W, (r+1) L/W) of one ``nn.Sequential`` (the
+same seed everywhere) in a ``PipelineStage``; ``ScheduleGPipe`` or ``Schedule1F1B`` runs each step
+on m micro-batches, rank 0 feeding the batch, the last rank the targets. Each micro-batch's mean
+loss, gradients divided by m (``scale_grads=True``): W ranks take one process's steps on the whole
+batch. On CPUs (gloo) or a GPU per process (NCCL), as is:
 
     python pipeline_torch.py                        # one process: the whole model, no pipeline
     torchrun --standalone --nproc-per-node=2 pipeline_torch.py --schedule 1F1B --out run
@@ -78,9 +77,9 @@ def main(argv=None) -> dict:
     except OSError as e:
         raise Usage(f"cannot write to --out {args.out} ({e.strerror}): give a writable folder")
     gpus = torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if gpus:  # a GPU of its own for every process here
-        torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank) if gpus else torch.device("cpu")
+    if gpus:  # a GPU of its own for every process here
+        torch.cuda.set_device(device)
     if world > 1:  # env:// reads MASTER_ADDR and MASTER_PORT
         dist.init_process_group("nccl" if gpus else "gloo", rank=rank, world_size=world,
                                 timeout=timedelta(minutes=2))

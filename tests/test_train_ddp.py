@@ -1,9 +1,8 @@
-"""d2lpar/examples/train_ddp.py: bad input is a clear error.
+"""d2lpar/examples/train_ddp.py (the course's DDP script, on top of d2lpar): bad input is a clear error.
 
-Notebook 08 (run by nbval in `make test`) launches this script under every launcher (torchrun on one
-node and on two with static and c10d rendezvous, the legacy launcher, SLURM variables, a killed rank
-restarted) and checks each run's final weights against one plain process; this file does not run
-them again. Measured rounding drift between ranks and one process: see notebook 08.
+Notebook 07 (run by nbval in `make test`) trains with its `main` on two ranks and in one process and
+checks that they agree; notebook 08 starts the torch-only `ddp_torch.py` under every launcher
+(tests/test_examples_torch_only.py covers that script). This file does not run them again.
 """
 
 import sys

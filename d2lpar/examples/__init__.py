@@ -1,5 +1,11 @@
-"""Complete scripts to copy into a project; each runs as it is under ``python``, ``torchrun`` and SLURM.
+"""Complete scripts that run as they are under ``python``, ``torchrun`` and SLURM.
 
-* ``train_ddp.py``: DistributedDataParallel training with a DistributedSampler, rank-0 logging, an
-  atomic checkpoint every epoch and resume on start (``python -m d2lpar.examples.train_ddp --help``).
+* ``ddp_torch.py``: the script to copy. DistributedDataParallel training in one file that imports
+  only torch (its docstring says "torch only"; ``tests/test_examples_torch_only.py`` fails if it, or
+  any other script marked so, reaches d2lpar). Notebook 07 shows it and runs it under torchrun;
+  notebook 08 starts it with every launcher.
+* ``train_ddp.py``: the course's version on top of d2lpar (environment detection, atomic
+  checkpoints, the digits and LeNet, evaluation without the sampler's padding); notebook 07 trains
+  with its ``main`` and evaluates with its ``evaluate``
+  (``python -m d2lpar.examples.train_ddp --help``).
 """

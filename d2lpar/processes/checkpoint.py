@@ -93,6 +93,7 @@ def load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
         return torch.load(path, map_location=map_location, weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first.split(". ")[0].rstrip(".")  # torch's first sentence; the rest is advice
         raise CheckpointError(f"{path} is not a loadable checkpoint ({first}). It may be truncated "
                               "by a crash during a non-atomic save, or hold objects that "
                               "weights_only=True refuses; save with d2lpar.processes.checkpoint.save") from e

@@ -86,6 +86,8 @@ def main(argv=None) -> None:
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=2))
     try:
         train(args, rank, world, local_rank, device)
+        if world > 1:
+            dist.barrier()  # all done before any rank closes its connections
     finally:  # also after an error, so that no rank waits for a dead group
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -27,8 +27,8 @@ SMALL = ["--epochs", "2", "--examples", "512", "--batch-size", "32"]
 
 
 def torch_only_scripts():
-    return [p for p in sorted(EXAMPLES.glob("*.py"))
-            if "torch only" in (ast.get_docstring(ast.parse(p.read_text())) or "").lower()]
+    return [p for p in sorted(EXAMPLES.glob("*.py")) if not p.name.startswith("_")  # scripts only
+            and "torch only" in (ast.get_docstring(ast.parse(p.read_text())) or "").lower()]
 
 
 def d2lpar_imports(source: str) -> list[str]:

@@ -104,8 +104,8 @@ def evaluate(model: nn.Module, dataset, who: env.DistEnv, device: torch.device,
         seen += len(y)
         logits = model(X)
         loss = nn.functional.cross_entropy(logits, y, reduction="none")
-        sums += torch.stack([loss[keep].sum().double(), (logits.argmax(1) == y)[keep].sum().double(),
-                             keep.sum().double()])
+        correct = (logits.argmax(1) == y)[keep]
+        sums += torch.stack([loss[keep].sum().double(), correct.sum().double(), keep.sum().double()])
     if dist.is_initialized():
         dist.all_reduce(sums)  # SUM over ranks: every real example counted once
     model.train()
@@ -122,7 +122,7 @@ def train(args: argparse.Namespace) -> dict:
     if who.distributed:  # 2. Join the group; rank 0's host holds the rendezvous.
         dist.init_process_group(backend, init_method=who.init_method, rank=who.rank,
                                 world_size=who.world_size, timeout=timedelta(seconds=args.timeout))
-    log(who, f"{who.describe()}; device {device.type}, backend {backend if who.distributed else '-'}")
+    log(who, f"{who.describe()}; {device.type}, backend {backend if who.distributed else '-'}")
     try:
         result = _fit(args, who, device)
         if who.distributed:

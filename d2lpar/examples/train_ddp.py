@@ -105,7 +105,7 @@ def evaluate(model: nn.Module, dataset, who: env.DistEnv, device: torch.device,
         logits = model(X)
         loss = nn.functional.cross_entropy(logits, y, reduction="none")
         correct = (logits.argmax(1) == y)[keep]
-        sums += torch.stack([loss[keep].sum().double(), correct.sum().double(), keep.sum().double()])
+        sums += torch.stack([t.double().sum() for t in (loss[keep], correct, keep)])
     if dist.is_initialized():
         dist.all_reduce(sums)  # SUM over ranks: every real example counted once
     model.train()

@@ -55,3 +55,15 @@ def test_quiet_refuses_a_busy_machine_and_says_how_to_override(monkeypatch, caps
     assert timing.quiet_or_exit() == 0
     assert "D2LPAR_ALLOW_LOAD=1: not waited for quiet" in timing.load_line()
     assert len(timing.load_line("a reason")) < 100
+
+
+def test_show_a_module_from_line_1_and_a_decorated_function_as_itself():
+    import torch
+    from d2lpar.infra import verdict
+    assert repr(source_of(verdict)).startswith("# d2lpar/infra/verdict.py, lines 1-")
+
+    @torch.no_grad()
+    def doubled(x):
+        return 2 * x
+    src = source_of(doubled)
+    assert "test_verdict_show.py" in src.where and "return 2 * x" in src.text

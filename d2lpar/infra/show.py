@@ -47,6 +47,7 @@ def _where(obj) -> str:
     else:
         path = Path(path.name)
     lines, first = inspect.getsourcelines(obj)
+    first = max(first, 1)   # a whole module is reported from line 0
     return f"{path.as_posix()}, lines {first}-{first + len(lines) - 1}"
 
 
@@ -55,6 +56,8 @@ def source_of(obj) -> Source:
     name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
     if isinstance(obj, property):
         obj = obj.fget
+    if callable(obj) and not inspect.isclass(obj):
+        obj = inspect.unwrap(obj)   # a decorated function (``@torch.no_grad()``): show its own code
     if inspect.isbuiltin(obj) or (callable(obj) and not inspect.isclass(obj)
                                   and not hasattr(inspect.unwrap(obj), "__code__")
                                   and not inspect.ismethod(obj)):

@@ -16,6 +16,7 @@ weights (to rounding). Every rank resumes from the last epoch's checkpoint (``--
 """
 
 import argparse
+import gc
 import os
 import sys
 import tempfile
@@ -90,6 +91,7 @@ def main(argv=None) -> None:
             dist.barrier()  # all done before any rank closes its connections
     finally:  # also after an error, so that no rank waits for a dead group
         if dist.is_initialized():
+            gc.collect()  # what still holds the group (DDP, a schedule) goes now, not at exit
             dist.destroy_process_group()
 
 

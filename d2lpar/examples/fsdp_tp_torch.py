@@ -12,6 +12,7 @@ any grid ends with one process's weights. CPUs (gloo) or a GPU per process (NCCL
 """
 
 import argparse
+import gc
 import os
 import sys
 import tempfile
@@ -91,6 +92,7 @@ def main(argv=None) -> None:
         train(args, rank, dp, tp, device)
     finally:  # also after an error, so that no rank waits for a dead group
         if dist.is_initialized():
+            gc.collect()  # what still holds the group (DDP, a schedule) goes now, not at exit
             dist.destroy_process_group()
 
 

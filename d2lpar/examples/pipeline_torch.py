@@ -11,6 +11,7 @@ batch. On CPUs (gloo) or a GPU per process (NCCL), as is:
 """
 
 import argparse
+import gc
 import os
 import sys
 import tempfile
@@ -87,6 +88,7 @@ def main(argv=None) -> dict:
         return train(args, rank, world, device)
     finally:  # also after an error, so that no rank waits for a dead group
         if dist.is_initialized():
+            gc.collect()  # what still holds the group (DDP, a schedule) goes now, not at exit
             dist.destroy_process_group()
 
 

@@ -24,6 +24,7 @@ What makes it work everywhere (each step is a comment below):
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -130,6 +131,7 @@ def train(args: argparse.Namespace) -> dict:
         return result
     finally:  # also after an error, without a barrier that the failed peers would never reach
         if dist.is_initialized():
+            gc.collect()  # what still holds the group (DDP, a schedule) goes now, not at exit
             dist.destroy_process_group()
 
 

@@ -10,19 +10,16 @@ d2lpar out of reach, which the notebook cannot.
 """
 
 import ast
-import runpy
-import shutil
 import sys
 
 import pytest
 import torch
 
 from d2lpar.processes.commands import REPO, leftovers, run
+from tests.torch_only import LAUNCH_VARS, blocked_env, load_copy
 
 EXAMPLES = REPO / "d2lpar" / "examples"
 PY = sys.executable
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-               "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")
 SMALL = ["--epochs", "2", "--examples", "512", "--batch-size", "32"]
 
 
@@ -41,16 +38,6 @@ def d2lpar_imports(source: str) -> list[str]:
             if node.level or (node.module or "").split(".")[0] == "d2lpar":
                 found.append("." * node.level + (node.module or ""))
     return found
-
-
-def load_copy(script, folder, monkeypatch) -> dict:
-    """Copy ``script`` into ``folder`` and run it as a module (not __main__) with d2lpar blocked."""
-    copy = folder / script.name
-    shutil.copy(script, copy)
-    with monkeypatch.context() as m:
-        for name in [n for n in list(sys.modules) if n.split(".")[0] == "d2lpar"] + ["d2lpar"]:
-            m.setitem(sys.modules, name, None)  # importing it now raises ModuleNotFoundError
-        return runpy.run_path(str(copy), run_name=f"copy_of_{script.stem}")
 
 
 @pytest.fixture
@@ -91,10 +78,7 @@ def test_torch_only_script_reaches_no_d2lpar(script, tmp_path, monkeypatch):
 def test_ddp_two_ranks_equal_one_process(tmp_path, monkeypatch, no_launcher):
     script = EXAMPLES / "ddp_torch.py"
     ddp = load_copy(script, tmp_path, monkeypatch)
-    shadow = tmp_path / "shadow" / "d2lpar"  # first on the ranks' path: importing d2lpar fails
-    shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("raise ImportError('a torch-only script imported d2lpar')\n")
-    blocked = {"PYTHONPATH": str(shadow.parent)}
+    blocked = blocked_env(tmp_path)  # first on the ranks' path: importing d2lpar fails
     probe = run([PY, "-c", "import d2lpar"], env=blocked, cwd=tmp_path, check=False, timeout=60)
     assert probe.returncode == 1 and "torch-only script imported d2lpar" in probe.text()
     job = run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",

@@ -7,8 +7,6 @@ Both checkpoints are read back with ``dcp.load(..., no_dist=True)``: every weigh
 a resumed run equals a straight one, and bad input is one sentence.
 """
 
-import runpy
-import shutil
 import sys
 import warnings
 
@@ -17,9 +15,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from d2lpar.processes.commands import REPO, leftovers, run
+from tests.torch_only import LAUNCH_VARS, blocked_env, load_copy
 
 SCRIPT = REPO / "d2lpar" / "examples" / "fsdp_tp_torch.py"
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 TOLERANCE = 1e-5
 
 
@@ -28,11 +26,7 @@ def script(tmp_path, monkeypatch):
     """The script's names, from a copy in an empty folder, with every d2lpar module blocked."""
     for name in LAUNCH_VARS:
         monkeypatch.delenv(name, raising=False)
-    shutil.copy(SCRIPT, tmp_path / SCRIPT.name)
-    with monkeypatch.context() as m:
-        for name in [n for n in list(sys.modules) if n.split(".")[0] == "d2lpar"] + ["d2lpar"]:
-            m.setitem(sys.modules, name, None)
-        names = runpy.run_path(str(tmp_path / SCRIPT.name), run_name="copy_of_fsdp_tp_torch")
+    names = load_copy(SCRIPT, tmp_path, monkeypatch)
     yield names
     assert leftovers() == [], "a launcher or worker outlived its test"
 
@@ -48,12 +42,9 @@ def weights(names, folder):
 
 
 def test_four_ranks_equal_one_process(script, tmp_path):
-    shadow = tmp_path / "shadow" / "d2lpar"  # first on the ranks' path: importing d2lpar fails
-    shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("raise ImportError('a torch-only script imported d2lpar')\n")
     job = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
                str(tmp_path / SCRIPT.name), "--out", str(tmp_path / "four")],
-              env={"PYTHONPATH": str(shadow.parent)}, cwd=tmp_path, timeout=180)
+              env=blocked_env(tmp_path), cwd=tmp_path, timeout=180)
     assert "rank 0 of 4 (dp 2 x tp 2, cpu): step 4" in job.text()
     assert "_StridedShard" in job.text()  # FSDP2's shard of a TP shard: the 2D placement
     script["main"](["--out", str(tmp_path / "one"), "--cpu"])

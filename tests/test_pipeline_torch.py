@@ -8,17 +8,15 @@ torchrun with ``ScheduleGPipe``. Bad input is one sentence, checked in this proc
 """
 
 import re
-import runpy
-import shutil
 import sys
 
 import pytest
 import torch
 
 from d2lpar.processes.commands import REPO, leftovers, run
+from tests.torch_only import LAUNCH_VARS, blocked_env, load_copy
 
 SCRIPT = REPO / "d2lpar" / "examples" / "pipeline_torch.py"
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture
@@ -26,11 +24,7 @@ def script(tmp_path, monkeypatch):
     """The script's names, from a copy in an empty folder, with every d2lpar module blocked."""
     for name in LAUNCH_VARS:
         monkeypatch.delenv(name, raising=False)
-    shutil.copy(SCRIPT, tmp_path / SCRIPT.name)
-    with monkeypatch.context() as m:
-        for name in [n for n in list(sys.modules) if n.split(".")[0] == "d2lpar"] + ["d2lpar"]:
-            m.setitem(sys.modules, name, None)
-        names = runpy.run_path(str(tmp_path / SCRIPT.name), run_name="copy_of_pipeline_torch")
+    names = load_copy(SCRIPT, tmp_path, monkeypatch)
     yield names
     assert leftovers() == [], "a launcher or worker outlived its test"
 
@@ -40,12 +34,9 @@ def losses(text: str) -> list[str]:
 
 
 def test_two_ranks_equal_one_process(script, tmp_path, capsys):
-    shadow = tmp_path / "shadow" / "d2lpar"  # first on the ranks' path: importing d2lpar fails
-    shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("raise ImportError('a torch-only script imported d2lpar')\n")
     job = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                str(tmp_path / SCRIPT.name), "--schedule", "1F1B", "--out", str(tmp_path / "two")],
-              env={"PYTHONPATH": str(shadow.parent)}, cwd=tmp_path, timeout=180)
+              env=blocked_env(tmp_path), cwd=tmp_path, timeout=180)
     assert "rank 1 of 2 (1F1B, cpu): step 3, loss" in job.text()
     one = script["main"](["--out", str(tmp_path / "one")])
     printed = capsys.readouterr().out

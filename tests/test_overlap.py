@@ -24,8 +24,24 @@ def test_the_table_ends_with_the_verdict_of_its_own_numbers():
     assert serial.table().splitlines()[-1].strip().startswith("no overlap in this run")
 
 
+def _first_that(attempts: int, run, holds):
+    """Run ``run()`` until ``holds(result)``, at most ``attempts`` times; return the last result.
+
+    Whether two threads or two ranks were running at the same moment is the scheduler's call: a
+    busy machine can run one to its end before the other starts. What a test may require is that
+    it happens at all in a few tries, not in every one.
+    """
+    for _ in range(attempts):
+        result = run()
+        if holds(result):
+            break
+    return result
+
+
 def test_simulated_overlap_hides_the_copy_behind_the_device_wait():
-    r = simulated_overlap(target_s=0.02, copy_mb=1, repeats=2)  # raises if the copy is wrong
+    r = _first_that(3, lambda: simulated_overlap(target_s=0.02, copy_mb=1, repeats=2),  # raises if
+                    lambda r: r.timelines["compute while copying"].overlap(        # the copy is wrong
+                        "device (simulated)", "copy thread") > 0)
     over = r.timelines["compute while copying"]
     assert set(over.lanes) == {"device (simulated)", "copy thread"}
     assert over.overlap("device (simulated)", "copy thread") > 0
@@ -70,11 +86,13 @@ def test_prefetch_on_a_gpu_delivers_every_batch():
 
 def test_cpu_overlap_delivers_the_same_results_and_timelines():
     # cpu_overlap raises if the overlapped run computes or copies anything different
-    r = cpu_overlap(compute_steps=20, copies=2, copy_mb=1, repeats=2)
+    r = _first_that(3, lambda: cpu_overlap(compute_steps=20, copies=2, copy_mb=1, repeats=2),
+                    lambda r: r.timelines["compute while copying"].overlap("main thread",
+                                                                           "copy thread") > 0)
     assert r.sequential > 0 and r.overlapped > 0 and r.compute > 0 and r.transfer > 0
     over = r.timelines["compute while copying"]
     assert set(over.lanes) == {"main thread", "copy thread"}
-    assert over.overlap("main thread", "copy thread") > 0
+    assert over.overlap("main thread", "copy thread") > 0, "in 3 runs the two threads never overlapped"
     seq = r.timelines["compute then copy"]
     assert seq.lanes == ["main thread"]
 
@@ -92,7 +110,14 @@ def test_matmul_loop_is_bounded_and_deterministic():
 
 def test_gloo_async_allreduce_gives_the_same_sums():
     # each rank raises if any all-reduce, overlapped or not, gives a different sum
-    out = launch(gloo_overlap_worker, 2, 2 ** 14, 64, 5, 2, timeout=60)
+    def together(out):
+        spans = [s for r in out for s in r.timelines["overlapped"].spans
+                 if s.label == "all-reduce in flight"]
+        return (all(r.timelines["overlapped"].overlap(f"rank {k} compute", f"rank {k} gloo") > 0
+                    for k, r in enumerate(out))
+                and max(s.start for s in spans) < min(s.end for s in spans))
+    out = _first_that(3, lambda: launch(gloo_overlap_worker, 2, 2 ** 14, 64, 5, 2, timeout=60),
+                      together)
     for rank, r in enumerate(out):
         assert r.overlapped > 0 and r.compute > 0
         over = r.timelines["overlapped"]

@@ -71,7 +71,7 @@ def test_training_loop_counts_the_reads_that_waited_for_the_device():
         summed = training_loop(q, batches, step, 0.002, read_each_step=False)
     assert each.waits == len(batches) and summed.waits == 1
     assert summed.total == pytest.approx(each.total, rel=1e-5)
-    assert summed.seconds < each.seconds
+    # (which loop took less time is the scheduler's call on a busy machine; the waits are not)
 
 
 def test_the_wait_count_fails_on_a_device_that_is_not_a_queue():

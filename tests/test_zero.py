@@ -115,3 +115,102 @@ def test_bad_input_is_named():
         Z.ZeroAdamW(nn.Linear(2, 2), 1)
     with pytest.raises(ValueError, match="stage"):
         Z.sent_bytes(5, 10, 2)
+
+
+# ---------------------------------------------------- issue 17: start from rank 0, skip unused layers
+
+class _WithState(nn.Module):
+    """A frozen layer and a buffer that shape the output, so their start values matter."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen, self.a, self.b = nn.Linear(7, 9), nn.Linear(9, 13), nn.Linear(13, 3)
+        self.frozen.requires_grad_(False)
+        self.register_buffer("shift", torch.randn(9))
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(self.frozen(x) + self.shift)))
+
+
+def _seeded_by_rank(stage, data):
+    torch.manual_seed(dist.get_rank())  # every rank builds a different model: rank 0's must win
+    net = _WithState()
+    return _train_state(net, stage, data)
+
+
+def _train_state(net, stage, data, used=None):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    opt = Z.ZeroAdamW(net, stage, lr=1e-2, weight_decay=0.1)
+    for step, (X, y) in enumerate(data):
+        part = slice(rank * len(X) // n, (rank + 1) * len(X) // n)
+        out = net(X[part]) if used is None else net(X[part], used[step])
+        nn.functional.cross_entropy(out, y[part]).backward()
+        opt.step()
+    return opt.full_state_dict()
+
+
+def _single_adamw(net, data, used=None):
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2,
+                            weight_decay=0.1)
+    for step, (X, y) in enumerate(data):
+        opt.zero_grad(set_to_none=True)
+        out = net(X) if used is None else net(X, used[step])
+        nn.functional.cross_entropy(out, y).backward()
+        opt.step()
+    return net.state_dict()
+
+
+@pytest.mark.parametrize("stage", Z.STAGES)
+def test_frozen_parameters_and_buffers_start_from_rank_0(stage):
+    data = batches()
+    torch.manual_seed(0)
+    expected = _single_adamw(_WithState(), data)
+    for rank, got in enumerate(launch(_seeded_by_rank, 3, stage, data, timeout=60)):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"stage {stage}, rank {rank} of 3: {m}")
+
+
+class _Sometimes(nn.Module):
+    """``extra`` (a unit of its own) and ``pair[1]`` (half of a unit) are used only on some steps."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.extra, self.b = nn.Linear(7, 13), nn.Linear(13, 13), nn.Linear(13, 3)
+        self.pair = _Pair()
+
+    def forward(self, x, use_extra):
+        h = torch.tanh(self.a(x))
+        h = torch.tanh(self.extra(h)) if use_extra else h
+        return self.b(self.pair(h, use_extra))
+
+
+class _Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(13, 13), nn.Linear(13, 13)
+
+    def forward(self, h, use_second):
+        h = torch.tanh(self.first(h))
+        return torch.tanh(self.second(h)) if use_second else h
+
+
+USED = [True, False, False, True, False]
+
+
+@pytest.mark.parametrize("stage", Z.STAGES)
+def test_a_layer_left_out_of_a_step_is_not_stepped_as_torch_does(stage):
+    data = [(torch.randn(BATCH, 7, generator=torch.Generator().manual_seed(s)),
+             torch.randint(0, 3, (BATCH,), generator=torch.Generator().manual_seed(s + 9)))
+            for s in range(len(USED))]
+    start = _Sometimes().state_dict()
+    expected = _single_adamw(_Sometimes(), data, USED)
+    for k in ("extra.weight", "pair.second.bias"):
+        assert not torch.allclose(expected[k], start[k])
+    for rank, got in enumerate(launch(_train_state_sometimes, 2, stage, data, timeout=60)):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"stage {stage}, rank {rank} of 2: {m}")
+
+
+def _train_state_sometimes(stage, data):
+    return _train_state(_Sometimes(), stage, data, USED)

@@ -47,7 +47,19 @@ class FlatUnit:
             self.views.append(self.full[start:start + p.numel()].view_as(p))
             self.offsets.append(start)
             start += p.numel()
-        self.gathered, self.ready = True, 0
+        self.gathered, self.ready, self.reduced = True, 0, False
+        self.had = [False] * len(params)  # which parameters got a gradient this step, on this rank
+
+    def pieces(self) -> list[tuple[int, int, int | None]]:
+        """This rank's shard cut by parameter: (start, stop, index in params, or None for padding)."""
+        out = []
+        for i, (p, o) in enumerate(zip(self.params, self.offsets)):
+            a, b = max(o, self.lo), min(o + p.numel(), self.lo + self.S)
+            if a < b:
+                out.append((a - self.lo, b - self.lo, i))
+        if self.lo + self.S > max(self.lo, self.numel):
+            out.append((max(self.lo, self.numel) - self.lo, self.S, None))
+        return out
 
     def own(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.lo:self.lo + self.S]

@@ -27,6 +27,8 @@ Layout (``d2lpar.strategies.sharded.flat_shards``): a unit's trainable parameter
 buffer padded to N S elements, S = ceil(Psi_unit / N), so every shard has S elements whatever Psi and
 N (3 ranks too); the padding stays zero through AdamW. The formulas take the padded Psi; they equal
 the unpadded ones when N divides every unit. Frozen parameters are not sharded (every rank keeps them).
+AdamW runs on the pieces of a shard, one per parameter (and one for the padding), so each piece keeps
+its own step count, as torch keeps one per parameter.
 """
 
 from __future__ import annotations
@@ -69,6 +71,13 @@ class ZeroAdamW:
     ``ZeroAdamW(model, stage)`` then, per step: ``loss.backward()`` on this rank's part of the batch
     (a mean loss) and ``opt.step()``. The result equals single-process AdamW on the whole batch.
     ``counter`` counts the bytes this rank sends and receives; ``held()`` measures the bytes it keeps.
+    At construction every parameter and buffer (trainable or not) takes rank 0's values, as DDP does.
+
+    A parameter whose ``.grad`` is None on every rank at ``step()`` (a layer this step did not use) is
+    not stepped, as ``torch.optim.AdamW`` skips it after ``zero_grad(set_to_none=True)``: no weight
+    decay, no moment update, its step count unchanged; a unit none of whose parameters got a gradient
+    is neither reduced nor gathered. One small all-reduce per step (not counted in ``counter``) lets the
+    ranks agree on this. As with FSDP, every rank must use the same layers in a step.
     """
 
     def __init__(self, model: nn.Module, stage: int, lr: float = 1e-3, betas=(0.9, 0.999),
@@ -92,11 +101,12 @@ class ZeroAdamW:
         self.units = [FlatUnit(name, mod, ps, self.n, self.rank, reshard_after_forward and name != "(root)")
                       for name, mod, ps in split_units(model, trainable)]
         self.live = self.peak_gathered = self.peak_grad = 0
+        self._broadcast_the_rest(trainable)
         for u in self.units:
             with torch.no_grad():
                 for p, v in zip(u.params, u.views):
                     v.copy_(p)
-                dist.broadcast(u.full, 0)  # start from rank 0's values, as DDP does
+                dist.broadcast(u.full, 0)  # start from rank 0's values (the rest: above)
                 for p, v in zip(u.params, u.views):
                     p.data = v  # parameters become views into the flat buffer
             if stage < 3:
@@ -110,27 +120,46 @@ class ZeroAdamW:
                 self._attach_grad_views(u)
             else:
                 u.shard.grad = torch.zeros_like(u.shard)
-                for p in u.params:
-                    p.register_post_accumulate_grad_hook(lambda p, u=u: self._grad_ready(u))
+            for i, p in enumerate(u.params):
+                p.register_post_accumulate_grad_hook(lambda p, u=u, i=i: self._grad_ready(u, i))
+            # AdamW's tensors: the shard's piece of each parameter, views sharing its data and .grad
+            u.segments = [(nn.Parameter(u.shard.detach()[a:b]), u.shard.grad[a:b], i)
+                          for a, b, i in u.pieces()]
             if stage == 3:
                 u.module.register_forward_pre_hook(lambda m, a, u=u: self._before_forward(u))
                 u.module.register_forward_hook(lambda m, a, out, u=u: self._after_forward(u, out))
-        self.opt = AdamW([u.shard for u in self.units], lr=lr, betas=betas, eps=eps,
-                         weight_decay=weight_decay)  # elementwise: it runs on shards unchanged
+        self.opt = AdamW([seg for u in self.units for seg, _, _ in u.segments], lr=lr, betas=betas,
+                         eps=eps, weight_decay=weight_decay)  # elementwise: it runs on pieces unchanged
 
     # ------------------------------------------------------------------------------ construction
 
     def _agree_on_parameters(self) -> None:
-        mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in self.model.named_parameters()
-                if p.requires_grad]
+        named = list(self.model.named_parameters())
+        trainable = [(name, tuple(p.shape), str(p.dtype)) for name, p in named if p.requires_grad]
+        rest = [(name, tuple(t.shape), str(t.dtype)) for name, t in
+                [(n, p) for n, p in named if not p.requires_grad] + list(self.model.named_buffers())]
         every = [None] * self.n
-        dist.all_gather_object(every, mine)
-        for r, theirs in enumerate(every):
-            if theirs != mine:
-                diff = sorted(set(theirs) ^ set(mine))[:4] or "the same names in another order"
-                raise ValueError(f"rank {self.rank} and rank {r} disagree on the trainable parameters "
-                                 f"(name, shape, dtype) {diff}: build the same model on every rank "
-                                 "before ZeroAdamW")
+        dist.all_gather_object(every, (trainable, rest))
+        for what, k in (("trainable parameters", 0), ("frozen parameters and buffers", 1)):
+            mine = (trainable, rest)[k]
+            for r, theirs in enumerate(every):
+                if theirs[k] != mine:
+                    diff = sorted(set(theirs[k]) ^ set(mine))[:4] or "the same names in another order"
+                    raise ValueError(f"rank {self.rank} and rank {r} disagree on the {what} "
+                                     f"(name, shape, dtype) {diff}: build the same model on every "
+                                     "rank before ZeroAdamW")
+
+    @torch.no_grad()
+    def _broadcast_the_rest(self, trainable: list[nn.Parameter]) -> None:
+        """Frozen parameters and buffers take rank 0's values too (the trainable ones: with the units)."""
+        ids = {id(p) for p in trainable}
+        rest = [p for p in self.model.parameters() if id(p) not in ids] + list(self.model.buffers())
+        for t in rest:
+            data = t.data if t.is_contiguous() else t.data.contiguous()
+            wire = data.view(torch.uint8) if data.dtype == torch.bool else data
+            dist.broadcast(wire, 0)
+            if data is not t.data:
+                t.data.copy_(data)
 
     def _attach_grad_views(self, u: FlatUnit) -> None:
         """Stage 1: each .grad is a view into the flat gradient buffer; autograd adds in place."""
@@ -184,10 +213,46 @@ class ZeroAdamW:
 
     # ------------------------------------------------------------------------------- gradients
 
-    def _grad_ready(self, u: FlatUnit) -> None:
+    def _grad_ready(self, u: FlatUnit, i: int) -> None:
+        u.had[i] = True
+        if self.stage == 1:
+            return  # autograd added it into the flat gradient buffer: step() reduces it
         u.ready += 1
         if u.ready == len(u.params):
             self._reduce_unit(u)
+
+    def _collect_gradients(self) -> list[list[bool]]:
+        """Per unit, per parameter: did any rank get a gradient this step (one small all-reduce)?
+
+        Stage 1 also moves a ``.grad`` that someone replaced into the flat buffer.
+        """
+        mine = []
+        for u in self.units:
+            for i, p in enumerate(u.params):
+                if self.stage == 1:  # autograd fills the views, unless .grad was set to None
+                    g = u.grad_views[i]
+                    if p.grad is None:
+                        g.zero_()
+                        u.had[i] = False
+                    elif p.grad.data_ptr() != g.data_ptr():  # someone replaced .grad: take it
+                        g.copy_(p.grad)
+                        u.had[i] = True
+                elif p.grad is not None:  # stage 2 and 3: not yet reduced, or set by hand
+                    u.had[i] = True
+                mine.append(u.had[i])
+            mine.append(u.reduced)
+        flags = torch.tensor(mine, dtype=torch.int32, device=self.units[0].full.device)
+        dist.all_reduce(flags)
+        out, k = [], 0
+        for u in self.units:
+            out.append([bool(f) for f in flags[k:k + len(u.params)].tolist()])
+            k += len(u.params)
+            eager = int(flags[k])
+            k += 1
+            if eager not in (0, self.n):
+                raise RuntimeError(f"unit {u.name!r} got all its gradients on {eager} of {self.n} "
+                                   "ranks this step: every rank must use the same layers in a step")
+        return out
 
     def _reduce_unit(self, u: FlatUnit) -> None:
         """Stages 2 and 3: reduce-scatter this unit's gradient now, keep the shard, drop the rest."""
@@ -201,39 +266,43 @@ class ZeroAdamW:
         self.peak_grad = max(self.peak_grad, flat.numel() * flat.element_size())
         ring_reduce_scatter(flat, self.counter)
         u.shard.grad.add_(u.own(flat))
-        u.ready = 0
+        u.ready, u.reduced = 0, True
         if self.stage == 3:
             self._free(u)
 
     def step(self) -> None:
-        """Reduce what is left, update this rank's shards with AdamW, share the result."""
-        for u in self.units:
+        """Reduce what is left, update this rank's shards with AdamW, share the result.
+
+        Parameters that got no gradient on any rank this step are skipped (see the class).
+        """
+        used = self._collect_gradients()  # per unit, per parameter: a gradient on some rank?
+        for u, got in zip(self.units, used):
+            for seg, grad, i in u.segments:  # AdamW skips a piece whose .grad is None
+                seg.grad = grad if (any(got) if i is None else got[i]) else None
+            if not any(got):
+                continue
             if self.stage == 1:
-                for p, g in zip(u.params, u.grad_views):
-                    if p.grad is None:
-                        g.zero_()
-                    elif p.grad.data_ptr() != g.data_ptr():  # someone replaced .grad: take it
-                        g.copy_(p.grad)
                 ring_reduce_scatter(u.grad_full, self.counter)
-            elif u.ready:  # some of the unit's parameters got no gradient this step
+            elif not u.reduced:  # some of the unit's parameters got no gradient this step
                 self._reduce_unit(u)
             u.shard.grad.div_(self.n)  # sums of N mean losses -> the mean over the whole batch
         self.opt.step()
-        for u in self.units:
+        for u, got in zip(self.units, used):
             if self.stage == 1:
                 u.grad_full.zero_()
                 self._attach_grad_views(u)
-                ring_all_gather(u.full, self.counter)
             else:
                 u.shard.grad.zero_()
-                if self.stage == 2:
-                    ring_all_gather(u.full, self.counter)
-                else:
-                    self._free(u)  # the next forward gathers the new values
+            if self.stage < 3 and any(got):
+                ring_all_gather(u.full, self.counter)
+            elif self.stage == 3:
+                self._free(u)  # the next forward gathers the new values
+            u.had, u.reduced = [False] * len(u.params), False
 
     def zero_grad(self) -> None:
         """Gradients are zeroed by ``step``; this clears any a forward/backward left since."""
         for u in self.units:
+            u.had, u.reduced = [False] * len(u.params), False
             if self.stage == 1:
                 u.grad_full.zero_()
                 self._attach_grad_views(u)

@@ -244,3 +244,15 @@ def test_the_handed_tensor_check_fails_on_a_collective_that_sends_too_much():
     real, broken = (launch(_handed, 2, b, timeout=60)[0] for b in (False, True))
     assert real == formula
     assert broken != formula and [n for _, _, n in broken] == [8 * B_ * S * D] * 2
+
+
+def _heads_disagree():
+    heads = 2 + 2 * dist.get_rank()   # 2 on rank 0, 4 on rank 1: the linear layers are the same
+    B.ParallelSelfAttention(D, heads)
+
+
+def test_ranks_that_disagree_on_the_heads_fail_at_once():
+    with pytest.raises(RankFailed, match=r"disagree on the shape of ParallelSelfAttention \(rank 0: "
+                                         r"d=12, heads=2, head_dim=6, sequence_parallel=0; rank 1: "
+                                         r"d=12, heads=4, head_dim=3, sequence_parallel=0\)"):
+        launch(_heads_disagree, 2, timeout=30)

@@ -28,7 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from d2lpar.strategies.tensor.mappings import record_comm, require_divisible, tp_world
+from d2lpar.strategies.tensor.mappings import (check_same_shape, record_comm, require_divisible,
+                                               tp_world)
 from d2lpar.strategies.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["MLP", "SelfAttention", "TransformerLayer", "attention", "ParallelMLP",
@@ -95,6 +96,8 @@ class ParallelMLP(nn.Module):
     def __init__(self, d: int, hidden: int, group=None, sequence_parallel: bool = False,
                  full: MLP | None = None):
         super().__init__()
+        check_same_shape("ParallelMLP", (d, hidden, int(sequence_parallel)), group,
+                         ("d", "hidden", "sequence_parallel"))
         self.fc1 = ColumnParallelLinear(d, hidden, group=group, full=_part(full, "fc1"),
                                         input_comm="gather" if sequence_parallel else "copy")
         self.fc2 = RowParallelLinear(hidden, d, group=group, full=_part(full, "fc2"),
@@ -111,6 +114,10 @@ class ParallelSelfAttention(nn.Module):
                  full: SelfAttention | None = None):
         super().__init__()
         _, size = tp_world(group)
+        # every size that shapes the attention, before a rank's own checks can fail alone
+        check_same_shape("ParallelSelfAttention", (d, heads, d // heads if heads > 0 else 0,
+                                                   int(sequence_parallel)), group,
+                         ("d", "heads", "head_dim", "sequence_parallel"))
         require_divisible("d (model width, split into heads)", d, heads)
         require_divisible("heads", heads, size)
         self.head_dim = d // heads

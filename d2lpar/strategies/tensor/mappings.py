@@ -144,8 +144,12 @@ def require_divisible(what: str, value: int, ranks: int) -> None:
                          f"or a number of ranks that divides {value} ({', '.join(map(str, divisors))})")
 
 
-def check_same_shape(layer: str, shape: tuple[int, ...], group=None) -> None:
-    """Raise on every rank if the ranks built ``layer`` with different shapes (before any hang)."""
+def check_same_shape(layer: str, shape: tuple[int, ...], group=None,
+                     names: tuple[str, ...] | None = None) -> None:
+    """Raise on every rank if the ranks built ``layer`` with different shapes (before any hang).
+
+    ``shape``: up to 8 sizes (non-negative ints); ``names``: what each is, to name them in the error.
+    """
     rank, size = tp_world(group)
     mine = torch.full((8,), -1, dtype=torch.int64)
     mine[:len(shape)] = torch.tensor(shape, dtype=torch.int64)
@@ -153,7 +157,11 @@ def check_same_shape(layer: str, shape: tuple[int, ...], group=None) -> None:
     dist.all_gather(every, mine, group=group)
     shapes = [tuple(int(v) for v in t if v >= 0) for t in every]
     if len(set(shapes)) > 1:
-        said = ", ".join(f"rank {r}: {s}" for r, s in enumerate(shapes))
+        if names:
+            said = "; ".join(f"rank {r}: " + ", ".join(f"{k}={v}" for k, v in zip(names, s))
+                             for r, s in enumerate(shapes))
+        else:
+            said = ", ".join(f"rank {r}: {s}" for r, s in enumerate(shapes))
         raise ValueError(f"the ranks disagree on the shape of {layer} ({said}): every rank of a "
                          "tensor-parallel group must build the same full layer and keep its own part")
 

@@ -1,5 +1,5 @@
-"""``python -m d2lpar info``, ``python -m d2lpar bench <name>``, ``python -m d2lpar gpu`` and
-``python -m d2lpar quiet``."""
+"""``python -m d2lpar info``, ``python -m d2lpar bench <name>``, ``python -m d2lpar plan ...``,
+``python -m d2lpar gpu`` and ``python -m d2lpar quiet``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ BENCHMARKS = {
     "pipeline": "d2lpar.bench.pipeline",
     "tp": "d2lpar.bench.tp",
     "zero": "d2lpar.bench.zero",
+    "memory": "d2lpar.bench.memory",
+    "context": "d2lpar.bench.context",
+    "expert": "d2lpar.bench.expert",
+    "3d": "d2lpar.bench.threed",
 }
 
 
@@ -25,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     gpu = sub.add_parser("gpu", help="on a CUDA machine: CUDA tests, notebooks and bench overlap, "
                          "with a report under build/gpu")
     gpu.add_argument("rest", nargs=argparse.REMAINDER, help="options (--parts ...)")
+    plan = sub.add_parser("plan", help="the layout, ZeRO stage, micro-batches and checkpointing "
+                          "that train a described model fastest on a described cluster")
+    plan.add_argument("rest", nargs=argparse.REMAINDER, help="options (python -m d2lpar plan --help)")
     sub.add_parser("quiet", help="exit 1, saying why, when the machine is too busy to time anything")
     bench = sub.add_parser("bench", help="benchmarks that print figures")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
@@ -40,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "quiet":
         from d2lpar.infra.timing import quiet_or_exit
         return quiet_or_exit()
+    if args.command == "plan":
+        from d2lpar.cost.planner import main as plan_main
+        return plan_main(args.rest) or 0
     module = importlib.import_module(BENCHMARKS[args.name])
     return module.main(args.rest) or 0
 

@@ -53,6 +53,10 @@ __all__ = ["split_model", "check_stages", "run_schedule", "run_pipeline", "Pipel
 
 def split_model(model: nn.Sequential, stages: int) -> list[nn.Sequential]:
     """Cut a Sequential into ``stages`` consecutive parts of near-equal layer counts (sharing parameters)."""
+    if not isinstance(model, (nn.Sequential, nn.ModuleList, list, tuple)):
+        raise TypeError(f"split_model cuts a sequence of layers (nn.Sequential, nn.ModuleList or a "
+                        f"list), not a {type(model).__name__}: write the model as nn.Sequential(...) "
+                        f"of its layers, or cut it yourself into a list of stages")
     layers = list(model)
     return [nn.Sequential(*layers[a:b]) for a, b in split_layers(len(layers), stages)]
 
@@ -65,9 +69,15 @@ def _expects(module: nn.Module) -> str:
     return f"its first layer ({type(module).__name__})"
 
 
+def _float_dtype(module: nn.Module) -> torch.dtype | None:
+    """The floating-point dtype of the module's parameters (None if it has none)."""
+    return next((q.dtype for q in module.parameters() if q.is_floating_point()), None)
+
+
 def check_stages(stages: list[nn.Module], X: torch.Tensor, microbatches: int) -> list[list[tuple]]:
     """Run the stages one after the other on meta tensors; return each stage's output (shape, dtype)
-    per micro-batch. A stage that cannot take its predecessor's output raises ValueError naming both."""
+    per micro-batch. A stage that cannot take its predecessor's output (shape or dtype), or that
+    returns something other than one tensor, raises ValueError naming the stages."""
     if len(X) < microbatches:
         raise ValueError(f"a batch of {len(X)} cannot be cut into {microbatches} micro-batches: use "
                          f"at most {len(X)} micro-batches or a larger batch")
@@ -85,6 +95,15 @@ def check_stages(stages: list[nn.Module], X: torch.Tensor, microbatches: int) ->
                          if s else f"the input has shape {tuple(h.shape)}, but stage 0 expects ")
                 raise ValueError(f"{where}{_expects(stage)}: {type(e).__name__}: {e}. Cut the model "
                                  f"so that each stage's output fits the next stage's input") from None
+            if not isinstance(out, torch.Tensor):
+                raise ValueError(f"stage {s} returns a {type(out).__name__}, but a pipeline stage "
+                                 f"sends one tensor to the next: return a single tensor (concatenate "
+                                 f"or drop the other outputs)")
+            wants = _float_dtype(stages[s + 1]) if s + 1 < len(stages) else None
+            if wants is not None and out.is_floating_point() and out.dtype != wants:
+                raise ValueError(f"stage {s} outputs {out.dtype}, but stage {s + 1}'s parameters are "
+                                 f"{wants}: give every stage the same dtype (model.to({wants}) before "
+                                 f"split_model)")
             shapes[s].append((tuple(out.shape), out.dtype))
             h = out
     by_size = [dict(zip(sorted(set(sizes), key=sizes.index), col)) for col in shapes]
@@ -159,6 +178,13 @@ class _Stage:
         return None
 
 
+def _device_of(module: nn.Module, default: torch.device) -> torch.device:
+    """Where the stage lives: its first parameter's or buffer's device (a stage may have neither)."""
+    for t in list(module.parameters()) + list(module.buffers()):
+        return t.device
+    return default
+
+
 # Receives are posted this many actions ahead: gloo moves a message only once its receive is posted,
 # so a receive posted late costs a wake-up of the sender's transport thread (measured: interleaved
 # 1F1B, p=2, m=16 idled 0.155 with 1 action ahead, 0.059 with 4, 0.050 with 8; formula 0.030).
@@ -181,7 +207,7 @@ def run_schedule(schedule: Schedule, modules: dict[int, nn.Module], X: torch.Ten
     rank = dist.get_rank() if dist.is_initialized() else 0
     stages = {s: _Stage(modules[s], schedule.split) for s in schedule.stages_of(rank)}
     bounds = chunk_bounds(len(X), m)
-    device = next(iter(modules[schedule.stages_of(rank)[0]].parameters())).device
+    device = _device_of(modules[schedule.stages_of(rank)[0]], X.device)
     local: dict[tuple, torch.Tensor] = {}   # messages between stages on this same rank
     works, spans, loss = [], [], 0.0
 
@@ -259,15 +285,15 @@ def _worker(schedule, stages, batches, loss_fn, lr, shapes, wait, warmup):
     if torch.cuda.is_available() and dist.get_backend() != "gloo":   # NCCL: a GPU per rank
         mine = {s: mod.to(f"cuda:{rank}") for s, mod in mine.items()}
     params = [q for mod in mine.values() for q in mod.parameters()]
-    opt = torch.optim.SGD(params, lr=lr) if lr else None
+    opt = torch.optim.SGD(params, lr=lr) if lr and params else None   # a stage may have no parameters
     losses = []
     for _ in range(warmup):   # first calls are slow (allocations, lazy set-up): keep them off the clock
-        run_schedule(schedule, mine, *batches[0], loss_fn, shapes, wait)
-    for X, y in batches:
+        run_schedule(schedule, mine, *batches[0], loss_fn, shapes[0], wait)
+    for (X, y), batch_shapes in zip(batches, shapes):
         for q in params:
             q.grad = None
         dist.barrier()        # every rank starts the step together: a late rank is not a bubble
-        out = run_schedule(schedule, mine, X, y, loss_fn, shapes, wait)
+        out = run_schedule(schedule, mine, X, y, loss_fn, batch_shapes, wait)
         losses.append(out["loss"])
         grads = {s: {k: q.grad.detach().cpu().clone() for k, q in mod.named_parameters()
                      if q.grad is not None} for s, mod in mine.items()}
@@ -295,6 +321,22 @@ class PipelineResult:
         return [pk / b if b else 0.0 for pk, b in zip(self.peak_bytes, self.mb_bytes)]
 
 
+def _shapes_per_batch(stages, batches, microbatches: int) -> list[list[list[tuple]]]:
+    """``check_stages`` for every batch: a DataLoader's last batch is often shorter, and each batch's
+    messages must be received into buffers of that batch's sizes (checked once per input shape)."""
+    seen: dict[tuple, list[list[tuple]]] = {}
+    out = []
+    for i, (X, _) in enumerate(batches):
+        key = (tuple(X.shape), X.dtype)
+        if key not in seen:
+            try:
+                seen[key] = check_stages(stages, X, microbatches)
+            except ValueError as e:
+                raise ValueError(f"batch {i} (input shape {tuple(X.shape)}): {e}") from None
+        out.append(seen[key])
+    return out
+
+
 def run_pipeline(schedule: Schedule, stages: list[nn.Module], batches, loss_fn=nn.functional.cross_entropy,
                  lr: float = 0.0, wait: dict[str, float] | None = None, warmup: int = 0,
                  timeout: float = 60.0) -> PipelineResult:
@@ -302,7 +344,8 @@ def run_pipeline(schedule: Schedule, stages: list[nn.Module], batches, loss_fn=n
 
     Checks the schedule and the stages' shapes here, before any rank starts; ``lr=0`` computes the
     gradients without updating; ``warmup`` untimed steps (gradients discarded) come first. Each step
-    starts with a barrier. The caller's stages are not changed.
+    starts with a barrier. The caller's stages are not changed. Batches may differ in size (a
+    DataLoader's shorter last batch): each batch's messages are sized from that batch.
     """
     validate(schedule)
     if len(stages) != schedule.stages:
@@ -310,7 +353,9 @@ def run_pipeline(schedule: Schedule, stages: list[nn.Module], batches, loss_fn=n
                             f"needs {schedule.stages} stages, got {len(stages)}: cut the model with "
                             f"split_model(model, {schedule.stages})")
     batches = list(batches)
-    shapes = check_stages(stages, batches[0][0], schedule.microbatches)
+    if not batches:
+        raise ValueError("run_pipeline got no batches: give a list of (X, y) pairs")
+    shapes = _shapes_per_batch(stages, batches, schedule.microbatches)
     results = launch(_worker, schedule.ranks, schedule, stages, batches, loss_fn, lr, shapes, wait,
                      warmup, timeout=timeout)
     merged = {k: {} for k in ("params", "grads", "peak", "mb_bytes")}

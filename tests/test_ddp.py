@@ -16,7 +16,7 @@ from torch import nn
 
 from d2lpar.infra.check import check_close
 from d2lpar.processes.launch import RankFailed, launch
-from d2lpar.strategies.data.ddp import DDP, TiedToy, assign_buckets
+from d2lpar.strategies.data.ddp import DDP, TiedToy, _cap_bytes, assign_buckets
 
 CAPS = {1: 25.0, 2: 0.002, 4: 0.0001}  # buckets -> bucket_cap_mb, for TiedToy
 BATCH, STEPS, LR = 12, 3, 0.5
@@ -105,8 +105,10 @@ def test_bucket_rule_equals_torch():
         assert assign_buckets(sizes, cap) == expected, (sizes, cap)
     with pytest.raises(ValueError, match="bucket_cap_mb > 0"):
         assign_buckets([4, 4], 0)
-    with pytest.raises(ValueError, match="bucket_cap_mb=-1"):
-        DDP(nn.Linear(2, 2), bucket_cap_mb=-1)
+    for bad in (-1, float("nan"), float("inf"), "25"):
+        with pytest.raises(ValueError, match=f"bucket_cap_mb={bad!r}"):
+            DDP(nn.Linear(2, 2), bucket_cap_mb=bad)
+    assert _cap_bytes(None) == _cap_bytes(25) == 25 * 2 ** 20   # torch's meaning of None
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -216,7 +218,15 @@ def different_shapes():
     DDP(nn.Linear(4, 4 + dist.get_rank()))
 
 
+def different_dtypes():
+    model = nn.Linear(4, 4)
+    DDP(model.double() if dist.get_rank() == 1 else model)
+
+
 def test_models_of_different_shapes_fail_clearly_without_hanging():
-    with pytest.raises(RankFailed, match=r"rank 0 has 'weight' of shape \(4, 4\), rank 1 has "
+    with pytest.raises(RankFailed, match=r"rank 0 has 'weight' of shape \(4, 4\) \(float32\), rank 1 has "
                                          r"'weight' of shape \(5, 4\)"):
         launch(different_shapes, 2, timeout=30)
+    with pytest.raises(RankFailed, match=r"rank 0 has 'weight' of shape \(4, 4\) \(float32\), rank 1 has "
+                                         r"'weight' of shape \(4, 4\) \(float64\)"):
+        launch(different_dtypes, 2, timeout=30)

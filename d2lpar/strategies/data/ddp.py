@@ -35,6 +35,7 @@ the observed order, sparse gradients, gradients as views of the buckets.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Sequence
 
@@ -91,10 +92,25 @@ def allreduce_flat(params) -> int:
     return flat.numel() * flat.element_size()
 
 
+def _cap_bytes(bucket_cap_mb) -> int:
+    """torch's rule: ``int(mb * 2**20)`` bytes, and None means its default of 25 MiB."""
+    if bucket_cap_mb is None:
+        bucket_cap_mb = 25.0
+    if (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
+            or not math.isfinite(bucket_cap_mb)):
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r}: give a finite number of MiB above 0, "
+                         "e.g. 25 (torch's default, also what None means) or 0.001")
+    cap = int(bucket_cap_mb * _MB)
+    if cap <= 0:
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} gives a cap of {cap} bytes: a bucket "
+                         "must hold at least one byte; use e.g. 25 (torch's default) or 0.001")
+    return cap
+
+
 class DDP(nn.Module):
     """Wrap ``module`` so that ``loss.backward()`` leaves the rank-averaged gradient in every ``.grad``.
 
-    bucket_cap_mb: bucket size in MiB (torch's meaning: ``int(mb * 2**20)`` bytes).
+    bucket_cap_mb: bucket size in MiB (torch's meaning: ``int(mb * 2**20)`` bytes; None: 25).
     timeline: if given, each bucket's all-reduce is recorded as a span on lane ``rank r comm``.
     process_group: the ranks that share this model (default: all).
     """
@@ -104,10 +120,7 @@ class DDP(nn.Module):
                  compress: str | None = None, timeline: Timeline | None = None,
                  process_group=None):
         super().__init__()
-        cap = int(bucket_cap_mb * _MB)
-        if cap <= 0:
-            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} gives a cap of {cap} bytes: a bucket "
-                             "must hold at least one byte; use e.g. 25 (torch's default) or 0.001")
+        cap = _cap_bytes(bucket_cap_mb)
         if compress not in _DTYPES:
             raise ValueError(f"compress={compress!r}: use None, 'fp16' or 'bf16'")
         if not dist.is_initialized():
@@ -141,18 +154,19 @@ class DDP(nn.Module):
         self._reset()
 
     def _check_same_model(self) -> None:
-        mine = [(n, tuple(t.shape)) for n, t in
+        mine = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in
                 list(self.module.named_parameters()) + list(self.module.named_buffers())]
         everyone: list = [None] * self.world
         dist.all_gather_object(everyone, mine, group=self.group)  # every rank sees every list, so every rank raises
         for rank, theirs in enumerate(everyone):
             if theirs == everyone[0]:
                 continue
-            for (n0, s0), (n, s) in zip(everyone[0], theirs):
-                if (n0, s0) != (n, s):
+            for (n0, s0, d0), (n, s, d) in zip(everyone[0], theirs):
+                if (n0, s0, d0) != (n, s, d):
                     raise ValueError(f"rank 0 and rank {rank} hold different models: rank 0 has "
-                                     f"{n0!r} of shape {s0}, rank {rank} has {n!r} of shape {s}. "
-                                     "Build the same model on every rank before wrapping it")
+                                     f"{n0!r} of shape {s0} ({d0}), rank {rank} has {n!r} of shape "
+                                     f"{s} ({d}). Build the same model, in the same dtype, on every "
+                                     "rank before wrapping it")
             raise ValueError(f"rank 0 has {len(everyone[0])} parameters and buffers, rank {rank} "
                              f"has {len(theirs)}: build the same model on every rank")
 

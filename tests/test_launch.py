@@ -227,6 +227,20 @@ def test_a_rank_killed_in_an_all_reduce_is_named_every_time(no_strays):
     assert re.search(r"as a consequence:\n  rank 0: .*Connection closed by peer", str(info.value))
 
 
+def test_a_collective_mismatch_that_gloo_aborts_on_is_explained(no_strays):
+    # gloo kills the process (SIGABRT) when ranks give one all-reduce different sizes; the error
+    # says why, and gloo's own message is shown whole, not cut.
+    def worker():
+        import torch.distributed as dist
+        dist.all_reduce(torch.ones(4 + dist.get_rank()))
+    with pytest.raises(RankFailed) as info:
+        launch(worker, 2, timeout=30)
+    text = str(info.value)
+    assert "killed by signal SIGABRT" in text
+    assert "different sizes or dtypes" in text
+    assert "Received data size doesn't match expected size. Is there a distributed collective mismatch" in text
+
+
 def test_a_rank_that_never_joins_shows_where_each_rank_waits(no_strays):
     def worker():
         import torch.distributed as dist

@@ -256,3 +256,19 @@ def test_ranks_that_disagree_on_the_heads_fail_at_once():
                                          r"d=12, heads=2, head_dim=6, sequence_parallel=0; rank 1: "
                                          r"d=12, heads=4, head_dim=3, sequence_parallel=0\)"):
         launch(_heads_disagree, 2, timeout=30)
+
+
+def _inputs_disagree(kind):
+    rank = dist.get_rank()
+    block = B.ParallelMLP(D, HID)
+    x = torch.randn(2 + rank, S, D) if kind == "shape" else torch.randn(2, S, D, dtype=(torch.float32, torch.float64)[rank])
+    block(x.to(torch.float64) if kind == "dtype" and rank else x)
+
+
+def test_ranks_fed_different_inputs_are_named_not_aborted():
+    """Different batches (or a float64 batch on one rank) would make gloo abort in the all-reduce."""
+    with pytest.raises(RankFailed, match=r"the ranks give ColumnParallelLinear different inputs \(rank 0: "
+                                         rf"shape \(2, {S}, {D}\) \(float32\); rank 1: shape \(3, {S}, {D}\)"):
+        launch(_inputs_disagree, 2, "shape", timeout=30)
+    with pytest.raises(RankFailed, match=r"rank 0: shape .* \(float32\); rank 1: shape .* \(float64\)"):
+        launch(_inputs_disagree, 2, "dtype", timeout=30)

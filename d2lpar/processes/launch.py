@@ -351,7 +351,10 @@ def _collect(procs, readers, world_size: int, timeout: float, logs, captured: bo
         stacks = _stacks(procs, sorted(pending), logs)
         consequences.update({r: f"was still running and {ranklog.where(stacks[r])}; the launcher "
                                 "stopped it" for r in pending})
-        raise RankFailed(cause.rank, world_size, cause.text, ranklog.printed(logs.output(cause.rank)),
+        text = cause.text
+        if cause.kind == "died" and captured:
+            text = ranklog.explain_death(text, logs.output(cause.rank))
+        raise RankFailed(cause.rank, world_size, text, ranklog.printed(logs.output(cause.rank)),
                          consequences, logs.dir, details)
     if pending:
         stacks = _stacks(procs, sorted(pending), logs)

@@ -183,6 +183,21 @@ class Failure:
         return tidy(lines[-1] if lines else self.text)
 
 
+# What gloo prints before it aborts the process over a collective whose ranks disagree.
+_GLOO_MISMATCH = re.compile(r"Received data size doesn't match expected size|collective mismatch"
+                            r"|op\.preamble\.length")
+
+
+def explain_death(text: str, output: str) -> str:
+    """``text`` (how a rank died), with the reason when its output shows gloo aborting over a mismatch."""
+    if not _GLOO_MISMATCH.search(output):
+        return text
+    return (f"{text}: gloo aborted it because the ranks called one collective with tensors of "
+            "different sizes or dtypes, or called different collectives at that point (gloo's own "
+            "words are in its output below). Print each rank's tensor shape and dtype just before "
+            "its collectives to see which differ")
+
+
 def root_cause(failures: list[Failure]) -> tuple[Failure, list[Failure]]:
     """The failure that began it, ``min((consequence, time))``, and the others in rank order."""
     cause = min(failures, key=lambda f: (f.consequence, f.time, f.rank))

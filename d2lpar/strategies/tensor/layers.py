@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from d2lpar.strategies.tensor.mappings import (all_gather_seq, check_same_shape, copy_to_region,
+from d2lpar.strategies.tensor.mappings import (all_gather_seq, check_same_input, check_same_shape, copy_to_region,
                                                gather_from_region, reduce_from_region,
                                                reduce_scatter_seq, require_divisible,
                                                scatter_to_region, shard, tp_world)
@@ -65,6 +65,7 @@ class ColumnParallelLinear(nn.Module):
         if input_comm not in ("copy", "gather", None):
             raise ValueError(f"input_comm={input_comm!r}: use 'copy', 'gather' or None")
         self.group, self.input_comm, self.gather_output = group, input_comm, gather_output
+        self._input_checked = False
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features // size, in_features))
         self.weight.tp_dim = 0
@@ -74,6 +75,9 @@ class ColumnParallelLinear(nn.Module):
         _init_like(self, full, lambda: nn.Linear(in_features, out_features, bias=bias))
 
     def forward(self, x):
+        if not self._input_checked:   # once: ranks fed different batches would abort in a collective
+            check_same_input("ColumnParallelLinear", x, self.group)
+            self._input_checked = True
         if self.input_comm == "copy":
             x = copy_to_region(x, self.group)
         elif self.input_comm == "gather":
@@ -100,6 +104,7 @@ class RowParallelLinear(nn.Module):
         if output_comm not in ("reduce", "scatter", None):
             raise ValueError(f"output_comm={output_comm!r}: use 'reduce', 'scatter' or None")
         self.group, self.output_comm, self.split_input = group, output_comm, split_input
+        self._input_checked = False
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features // size))
         self.weight.tp_dim = 1
@@ -110,6 +115,9 @@ class RowParallelLinear(nn.Module):
         _init_like(self, full, lambda: nn.Linear(in_features, out_features, bias=bias))
 
     def forward(self, x):
+        if not self._input_checked:
+            check_same_input("RowParallelLinear", x, self.group)
+            self._input_checked = True
         if self.split_input:
             x = scatter_to_region(x, -1, self.group)
         y = F.linear(x, self.weight)
@@ -130,7 +138,7 @@ class OutChannelSplitConv2d(nn.Module):
         require_divisible("out_channels", out_channels, size)
         check_same_shape("OutChannelSplitConv2d", (in_channels, out_channels, kernel_size, padding),
                          group)
-        self.group, self.padding = group, padding
+        self.group, self.padding, self._input_checked = group, padding, False
         self.weight = nn.Parameter(torch.empty(out_channels // size, in_channels, kernel_size,
                                                kernel_size))
         self.bias = nn.Parameter(torch.empty(out_channels // size))
@@ -139,6 +147,9 @@ class OutChannelSplitConv2d(nn.Module):
                    lambda: nn.Conv2d(in_channels, out_channels, kernel_size, padding=padding))
 
     def forward(self, x):
+        if not self._input_checked:
+            check_same_input("OutChannelSplitConv2d", x, self.group)
+            self._input_checked = True
         y = F.conv2d(copy_to_region(x, self.group), self.weight, self.bias, padding=self.padding)
         return gather_from_region(y, 1, self.group)
 
@@ -154,6 +165,7 @@ class InChannelSplitConv2d(nn.Module):
         check_same_shape("InChannelSplitConv2d", (in_channels, out_channels, kernel_size, padding),
                          group)
         self.group, self.padding, self.split_input = group, padding, split_input
+        self._input_checked = False
         self.weight = nn.Parameter(torch.empty(out_channels, in_channels // size, kernel_size,
                                                kernel_size))
         self.bias = nn.Parameter(torch.empty(out_channels))
@@ -162,6 +174,9 @@ class InChannelSplitConv2d(nn.Module):
                    lambda: nn.Conv2d(in_channels, out_channels, kernel_size, padding=padding))
 
     def forward(self, x):
+        if not self._input_checked:
+            check_same_input("InChannelSplitConv2d", x, self.group)
+            self._input_checked = True
         if self.split_input:
             x = scatter_to_region(x, 1, self.group)
         y = reduce_from_region(F.conv2d(x, self.weight, padding=self.padding), self.group)

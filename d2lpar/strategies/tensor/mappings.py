@@ -45,6 +45,7 @@ import torch.distributed as dist
 from d2lpar.comm.collectives import ring_rank_bytes
 
 __all__ = ["Comm", "CommLog", "count_comms", "record_comm", "torch_counts", "tp_world", "require_divisible", "check_same_shape",
+           "check_same_input",
            "copy_to_region", "reduce_from_region", "gather_from_region", "scatter_to_region",
            "all_gather_seq", "reduce_scatter_seq", "shard"]
 
@@ -164,6 +165,35 @@ def check_same_shape(layer: str, shape: tuple[int, ...], group=None,
             said = ", ".join(f"rank {r}: {s}" for r, s in enumerate(shapes))
         raise ValueError(f"the ranks disagree on the shape of {layer} ({said}): every rank of a "
                          "tensor-parallel group must build the same full layer and keep its own part")
+
+
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32)
+
+
+def check_same_input(layer: str, x: torch.Tensor, group=None) -> None:
+    """Raise on every rank if the ranks give ``layer`` inputs of different shapes or dtypes.
+
+    Each rank's collectives would then move messages of different sizes: gloo aborts the process
+    (or, with equal byte counts, sums the wrong numbers). One small all-gather, on a layer's first
+    forward only (the shapes of later batches are the same program's).
+    """
+    rank, size = tp_world(group)
+    if x.dim() > 6:
+        return
+    mine = torch.full((8,), -1, dtype=torch.int64)
+    code = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else len(_DTYPES)
+    mine[:x.dim() + 2] = torch.tensor([code, x.dim(), *x.shape], dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(every, mine, group=group)
+    seen = [tuple(int(v) for v in t if v >= 0) for t in every]
+    if len(set(seen)) > 1:
+        def said(s):
+            dtype = _DTYPES[s[0]] if s[0] < len(_DTYPES) else "another dtype"
+            return f"shape {tuple(s[2:])} ({str(dtype).removeprefix('torch.')})"
+        raise ValueError(f"the ranks give {layer} different inputs ("
+                         + "; ".join(f"rank {r}: {said(s)}" for r, s in enumerate(seen))
+                         + "): every rank of a tensor-parallel group must get the same batch, in the "
+                         "same dtype (the same data and seed on each, not a different data shard)")
 
 
 def shard(full: torch.Tensor, dim: int, group=None) -> torch.Tensor:

@@ -68,3 +68,24 @@ def test_a_checkpoint_of_another_model_is_named():
     assert "missing from the checkpoint: model.3.weight" in text
     with pytest.raises(FileNotFoundError, match="not a DCP checkpoint"):
         SC.describe(path / "nowhere")
+
+
+def test_a_damaged_checkpoint_names_its_folder_and_file():
+    path = build_dir("test_sharded_checkpoint") / "damaged"
+    state = {"model": _net(0).state_dict()}
+    for damage, expected in [("metadata", r"damaged: its file \.metadata cannot be read"),
+                             ("missing", r"damaged: its shard file __0_0\.distcp is missing"),
+                             ("truncated", r"damaged: its shard file __0_0\.distcp has \d+ bytes where "
+                                           r"the metadata needs \d+")]:
+        shutil.rmtree(path, ignore_errors=True)
+        SC.save(state, path)
+        SC.load({"model": _net(1).state_dict()}, path, no_dist=True)   # whole, it loads
+        shard = path / "__0_0.distcp"
+        if damage == "metadata":
+            (path / ".metadata").write_bytes((path / ".metadata").read_bytes()[:40])
+        elif damage == "missing":
+            shard.unlink()
+        else:
+            shard.write_bytes(shard.read_bytes()[:-100])
+        with pytest.raises(SC.CheckpointDamaged, match=f"the checkpoint {path} is {expected}"):
+            SC.load({"model": _net(1).state_dict()}, path, no_dist=True)

@@ -9,7 +9,9 @@ file for the slices its own shards need. Nothing is gathered to one rank, at sav
 
 DCP's own error for a checkpoint saved from another model surfaces deep inside its planner. ``load``
 reads the metadata first and names every key that is missing from the checkpoint or has another
-shape there, with the keys only the checkpoint has, before any rank reads a byte.
+shape there, with the keys only the checkpoint has, before any rank reads a byte. A damaged
+checkpoint (a ``.metadata`` that cannot be read, a shard file missing or shorter than the metadata
+says) is named with its folder and file, rather than as an unpickling or read error from inside DCP.
 """
 
 from __future__ import annotations
@@ -20,11 +22,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckpointMismatch", "flatten", "describe", "mismatches", "save", "load"]
+__all__ = ["CheckpointMismatch", "CheckpointDamaged", "flatten", "describe", "check_files",
+           "mismatches", "save", "load"]
 
 
 class CheckpointMismatch(ValueError):
     """The checkpoint's keys or shapes do not fit the state dict it was asked to fill."""
+
+
+class CheckpointDamaged(ValueError):
+    """A file of the checkpoint is missing, cut short or unreadable."""
 
 
 def flatten(state: Any, prefix: str = "") -> dict[str, Any]:
@@ -47,8 +54,36 @@ def describe(path: str | Path) -> dict[str, tuple | None]:
     if not (Path(path) / ".metadata").exists():
         raise FileNotFoundError(f"{path} is not a DCP checkpoint (it has no .metadata): save one with "
                                 "d2lpar.processes.sharded_checkpoint.save or dcp.save")
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    meta = _metadata(path).state_dict_metadata
     return {k: (tuple(v.size) if hasattr(v, "size") else None) for k, v in meta.items()}
+
+
+def _metadata(path: str | Path):
+    import torch.distributed.checkpoint as dcp
+    try:
+        return dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:
+        raise CheckpointDamaged(f"the checkpoint {path} is damaged: its file .metadata cannot be read "
+                                f"({type(e).__name__}: {str(e)[:200]}). It was not written completely "
+                                "or was changed since: save the checkpoint again, or load an older "
+                                "one") from None
+
+
+def check_files(path: str | Path) -> None:
+    """Raise CheckpointDamaged naming the first shard file that is missing or shorter than the
+    metadata says (each piece is stored at an offset and length in one of the ``.distcp`` files)."""
+    need: dict[str, int] = {}
+    for info in _metadata(path).storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        file = Path(path) / name
+        if not file.exists():
+            raise CheckpointDamaged(f"the checkpoint {path} is damaged: its shard file {name} is "
+                                    "missing (every rank that saved wrote one; copy the whole folder)")
+        if file.stat().st_size < size:
+            raise CheckpointDamaged(f"the checkpoint {path} is damaged: its shard file {name} has "
+                                    f"{file.stat().st_size} bytes where the metadata needs {size} (it "
+                                    "was cut short while saving or copying): save it again")
 
 
 def mismatches(state_dict: dict, path: str | Path) -> list[str]:
@@ -83,6 +118,7 @@ def load(state_dict: dict, path: str | Path, no_dist: bool = False) -> dict:
     """
     import torch.distributed.checkpoint as dcp
     problems = mismatches(state_dict, path)
+    check_files(path)
     if problems:
         raise CheckpointMismatch(f"the checkpoint {path} does not fit this state dict (was it saved "
                                  "from another model?):\n  " + "\n  ".join(problems))

@@ -63,8 +63,18 @@ def test_load_maps_to_the_requested_device(tmp_path):
 def test_weights_only_refuses_arbitrary_objects(tmp_path):
     path = tmp_path / "evil.pt"
     torch.save({"obj": os.getcwd, "w": torch.ones(1)}, path)  # a pickled function
-    with pytest.raises(CheckpointError, match="weights_only"):
+    with pytest.raises(CheckpointError, match="weights_only") as err:
         checkpoint.load(path)
+    assert "posix.getcwd" in str(err.value)   # what it refused ...
+    assert "weights_only=False" not in str(err.value) and err.value.__cause__ is None   # ... no advice to run it
+
+
+def test_a_damaged_file_is_named_without_torchs_advice_to_load_it_unsafely(tmp_path):
+    path = tmp_path / "noise.pt"
+    path.write_bytes(b"\x80\x02garbage" * 8)   # a pickle header, then damage
+    with pytest.raises(CheckpointError, match=r"noise.pt is not a loadable checkpoint \(.+\)") as err:
+        checkpoint.load(path)
+    assert "weights_only=False" not in str(err.value) and err.value.__cause__ is None
 
 
 def test_missing_and_truncated_files(tmp_path):

@@ -47,6 +47,31 @@ def test_bad_input_is_a_clear_error(monkeypatch, tmp_path):
         train_ddp.main([*ARGS, "--ckpt-dir", str(tmp_path)])
 
 
+@pytest.mark.parametrize("argv,said", [
+    (["--epochs", "0"], "--epochs 0: train at least 1 epoch"),
+    (["--epochs", "-2"], "--epochs -2: train at least 1 epoch"),
+    (["--train-size", "0"], "--train-size 0: give a positive number of images"),
+    (["--batch-size", "0"], "--batch-size 0: the global batch needs at least 1 example"),
+    (["--timeout", "0"], "--timeout 0.0: give the seconds a rank may wait"),
+    (["--timeout", "inf"], "--timeout inf: give the seconds"),
+    (["--lr", "nan"], "--lr nan: give a finite learning rate"),
+])
+def test_options_that_cannot_work_are_refused_at_start(argv, said, capsys):
+    with pytest.raises(SystemExit) as out:
+        train_ddp.parse_args(argv)
+    assert out.value.code == 2
+    assert f"train_ddp.py: error: {said}" in capsys.readouterr().err
+
+
+def test_an_unwritable_checkpoint_folder_is_found_before_the_first_epoch(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(SystemExit):
+        train_ddp.parse_args(["--ckpt-dir", str(blocker / "ckpt")])
+    assert f"--ckpt-dir {blocker / 'ckpt'} cannot be written" in capsys.readouterr().err
+    assert train_ddp.parse_args(["--ckpt-dir", str(tmp_path / "new" / "ckpt")]).ckpt_dir   # made
+
+
 def test_command_line_error_is_one_line():
     job = run([PY, SCRIPT, "--world-size", "2"], timeout=TIMEOUT, check=False)
     assert job.returncode == 1

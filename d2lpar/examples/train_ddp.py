@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import sys
+import tempfile
 import time
 from datetime import timedelta
 
@@ -42,11 +44,11 @@ from d2lpar.infra.models import lenet
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Train LeNet with DDP under any launcher.")
+    p = argparse.ArgumentParser(prog="train_ddp.py", description="Train LeNet with DDP under any launcher.")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=32, help="global batch, split over all ranks")
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--train-size", type=int, default=0, help="use the first N training images (0: all)")
+    p.add_argument("--train-size", type=int, default=None, help="use the first N training images (default: all)")
     p.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
     p.add_argument("--ckpt-dir", default=None, help="where last.pt lives (default: no checkpoints)")
     p.add_argument("--cpu", action="store_true", help="train on the CPU with gloo even if GPUs exist")
@@ -55,7 +57,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds for rendezvous/collectives")
     # The legacy launcher appends --local-rank=N (--local_rank=N before PyTorch 2.0); accept both.
     p.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    problem = argument_problem(args)
+    if problem:
+        p.error(problem)   # usage, then "train_ddp.py: error: ...", exit status 2
+    return args
+
+
+def argument_problem(args: argparse.Namespace) -> str | None:
+    """The first option that cannot work, in one sentence, found before any process group or epoch
+    (an unwritable checkpoint folder would otherwise fail only after the first epoch's work)."""
+    if args.epochs < 1:
+        return f"--epochs {args.epochs}: train at least 1 epoch"
+    if args.train_size is not None and args.train_size < 1:
+        return f"--train-size {args.train_size}: give a positive number of images, or leave it out for all"
+    if args.batch_size < 1:
+        return f"--batch-size {args.batch_size}: the global batch needs at least 1 example per process"
+    if not (args.timeout > 0 and math.isfinite(args.timeout)):
+        return (f"--timeout {args.timeout}: give the seconds a rank may wait for the others, a "
+                "finite number above 0 (e.g. 120)")
+    if not math.isfinite(args.lr):
+        return f"--lr {args.lr}: give a finite learning rate (e.g. 0.05)"
+    if args.ckpt_dir:
+        try:   # every rank may write the checkpoint's temporary file: try it now
+            os.makedirs(args.ckpt_dir, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=args.ckpt_dir):
+                pass
+        except OSError as e:
+            return (f"--ckpt-dir {args.ckpt_dir} cannot be written ({e.strerror or e}): choose a "
+                    "folder this process can write to (on a file system every node sees)")
+    return None
 
 
 def choose_device(who: env.DistEnv, cpu: bool = False) -> tuple[torch.device, str]:
@@ -137,7 +168,7 @@ def train(args: argparse.Namespace) -> dict:
 
 def _fit(args: argparse.Namespace, who: env.DistEnv, device: torch.device) -> dict:
     train_set, test_set = load_digits(size=28)
-    if args.train_size:
+    if args.train_size is not None:
         train_set = Subset(train_set, range(min(args.train_size, len(train_set))))
     # 3. The same seed on every rank gives the same initial model (DDP would broadcast rank 0's anyway).
     model = lenet(seed=args.seed).to(device)

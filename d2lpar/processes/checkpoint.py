@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -92,11 +93,26 @@ def load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        first = first.split(". ")[0].rstrip(".")  # torch's first sentence; the rest is advice
-        raise CheckpointError(f"{path} is not a loadable checkpoint ({first}). It may be truncated "
+        raise CheckpointError(f"{path} is not a loadable checkpoint ({_why(e)}). It may be truncated "
                               "by a crash during a non-atomic save, or hold objects that "
-                              "weights_only=True refuses; save with d2lpar.processes.checkpoint.save") from e
+                              "weights_only=True refuses: save it again with "
+                              "d2lpar.processes.checkpoint.save") from None
+
+
+def _why(e: Exception) -> str:
+    """torch's reason, without its advice to retry with ``weights_only=False`` (which would run any
+    code the file holds: not advice to pass on for a file that is damaged or of unknown origin)."""
+    text = str(e).strip()
+    if "Weights only load failed" not in text:
+        first = text.splitlines()[0] if text else type(e).__name__
+        return first.split(". ")[0].rstrip(".")  # torch's first sentence; the rest is advice
+    advice = re.compile(r"weights_only|Weights only load failed|Check the documentation|Please file an "
+                        r"issue|trust|^\s*\(\d\)", re.I)
+    lines = [line.split(" Please use")[0].replace("WeightsUnpickler error:", "").strip()
+             for line in text.splitlines()]
+    reasons = [line for line in lines if line and not advice.search(line)]
+    reason = reasons[0].rstrip(".") if reasons else "an object it does not load"
+    return f"the unpickler refused it: {reason}"
 
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,

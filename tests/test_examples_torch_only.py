@@ -3,10 +3,11 @@
 A script counts as torch only when its module docstring says "torch only"; every such file is
 covered, whoever adds it. Each is checked twice: by its syntax tree (no ``import d2lpar``, no
 relative import), and by loading a copy from an empty folder with every ``d2lpar`` module blocked.
-``ddp_torch.py`` then runs once under ``torchrun`` on 2 ranks (the copy, with a ``d2lpar`` on its
-path that raises on import) and once in this process as a single process, and the saved weights
-must have moved and agree. Notebook 07 runs the same comparison; this file runs it on a copy, with
-d2lpar out of reach, which the notebook cannot.
+``ddp_torch.py`` then runs on 2 ranks (the copy, with d2lpar blocked in the ranks, started by the
+course's launcher with the variables torchrun sets: a torchrun start costs ~5 s here, and notebook
+08 starts the script under torchrun, the legacy launcher and SLURM's variables) and once in this
+process as a single process, and the saved weights must have moved and agree. Notebook 07 runs the
+same comparison; this file runs it on a copy, with d2lpar out of reach, which the notebook cannot.
 """
 
 import ast
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 from d2lpar.processes.commands import REPO, leftovers, run
-from tests.torch_only import LAUNCH_VARS, blocked_env, load_copy
+from d2lpar.processes.launch import RankFailed
+from tests.torch_only import LAUNCH_VARS, load_copy, run_in_ranks
 
 EXAMPLES = REPO / "d2lpar" / "examples"
 PY = sys.executable
@@ -61,6 +63,9 @@ def test_the_checks_can_fail(tmp_path, monkeypatch):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModuleNotFoundError, match="d2lpar"):
         load_copy(sneaky, tmp_path / "empty", monkeypatch)
+    (tmp_path / "empty" / "sneaky.py").write_text(sneaky.read_text() + "def main(argv):\n    pass\n")
+    with pytest.raises(RankFailed, match="ModuleNotFoundError.*d2lpar"):   # blocked in the ranks too
+        run_in_ranks(tmp_path / "empty" / "sneaky.py", 2, [])
 
 
 def test_the_ddp_script_is_torch_only():
@@ -75,16 +80,11 @@ def test_torch_only_script_reaches_no_d2lpar(script, tmp_path, monkeypatch):
     assert callable(names.get("main")), f"{script.name}: a main() behind `if __name__ == '__main__'`"
 
 
-def test_ddp_two_ranks_equal_one_process(tmp_path, monkeypatch, no_launcher):
+def test_ddp_two_ranks_equal_one_process(tmp_path, monkeypatch, no_launcher, capsys):
     script = EXAMPLES / "ddp_torch.py"
     ddp = load_copy(script, tmp_path, monkeypatch)
-    blocked = blocked_env(tmp_path)  # first on the ranks' path: importing d2lpar fails
-    probe = run([PY, "-c", "import d2lpar"], env=blocked, cwd=tmp_path, check=False, timeout=60)
-    assert probe.returncode == 1 and "torch-only script imported d2lpar" in probe.text()
-    job = run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               str(tmp_path / script.name), "--out", str(tmp_path / "two"), *SMALL],
-              env=blocked, cwd=tmp_path, timeout=120)
-    assert "rank 0 of 2 (cpu): epoch 2" in job.text()
+    run_in_ranks(tmp_path / script.name, 2, ["--out", tmp_path / "two", *SMALL])
+    assert "rank 0 of 2 (cpu): epoch 2" in capsys.readouterr().out
     ddp["main"](["--out", str(tmp_path / "one"), *SMALL])
     two = torch.load(tmp_path / "two" / "last.pt", weights_only=True)["model"]
     one = torch.load(tmp_path / "one" / "last.pt", weights_only=True)["model"]

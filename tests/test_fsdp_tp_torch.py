@@ -1,21 +1,22 @@
 """d2lpar/examples/fsdp_tp_torch.py: 4 ranks (dp x tp = 2 x 2) end with one process's weights.
 
-The script is copied into an empty folder and run from there with d2lpar out of reach: once under
-``torchrun`` on 4 ranks (the only torchrun start here, ~8 s), once in this process as one process.
+The script is copied into an empty folder and run from there: once on 4 ranks started by the
+course's launcher with the variables torchrun sets (a torchrun start of 4 ranks costs ~8 s here;
+notebook 13 runs the script under torchrun itself), once in this process, with d2lpar blocked, as
+one process.
 Both checkpoints are read back with ``dcp.load(..., no_dist=True)``: every weight moved (by about
 0.04 when written) and the two agree to atol 1e-5 (7e-7 when written). The rest runs in this process:
 a resumed run equals a straight one, and bad input is one sentence.
 """
 
-import sys
 import warnings
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from d2lpar.processes.commands import REPO, leftovers, run
-from tests.torch_only import LAUNCH_VARS, blocked_env, load_copy
+from d2lpar.processes.commands import REPO, leftovers
+from tests.torch_only import LAUNCH_VARS, load_copy, run_in_ranks
 
 SCRIPT = REPO / "d2lpar" / "examples" / "fsdp_tp_torch.py"
 TOLERANCE = 1e-5
@@ -41,12 +42,11 @@ def weights(names, folder):
     return state["model"]
 
 
-def test_four_ranks_equal_one_process(script, tmp_path):
-    job = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-               str(tmp_path / SCRIPT.name), "--out", str(tmp_path / "four")],
-              env=blocked_env(tmp_path), cwd=tmp_path, timeout=180)
-    assert "rank 0 of 4 (dp 2 x tp 2, cpu): step 4" in job.text()
-    assert "_StridedShard" in job.text()  # FSDP2's shard of a TP shard: the 2D placement
+def test_four_ranks_equal_one_process(script, tmp_path, capsys):
+    run_in_ranks(tmp_path / SCRIPT.name, 4, ["--out", tmp_path / "four"], timeout=180)
+    ranks = capsys.readouterr().out
+    assert "rank 0 of 4 (dp 2 x tp 2, cpu): step 4" in ranks
+    assert "_StridedShard" in ranks  # FSDP2's shard of a TP shard: the 2D placement
     script["main"](["--out", str(tmp_path / "one"), "--cpu"])
     four, one = weights(script, tmp_path / "four"), weights(script, tmp_path / "one")
     initial = script["make_data_and_model"](0)[1].state_dict()

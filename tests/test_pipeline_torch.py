@@ -1,20 +1,20 @@
 """d2lpar/examples/pipeline_torch.py: 2 pipeline ranks end with one process's weights.
 
-The script is copied into an empty folder and run from there with d2lpar out of reach: once under
-``torchrun`` on 2 ranks with ``Schedule1F1B`` (the only torchrun start here, ~5-9 s), once in this
-process as one process on the whole batch. The stages' saved weights must have moved from the
+The script is copied into an empty folder and run from there: once on 2 ranks with ``Schedule1F1B``,
+started by the course's launcher with the variables torchrun sets (a torchrun start costs 5-9 s
+here; notebook 11 runs the script under torchrun itself, with ``ScheduleGPipe``), once in this
+process, with d2lpar blocked, as one process on the whole batch. The stages' saved weights must have moved from the
 start and agree with the one process's; the printed losses must agree. Notebook 11 runs it under
 torchrun with ``ScheduleGPipe``. Bad input is one sentence, checked in this process.
 """
 
 import re
-import sys
 
 import pytest
 import torch
 
-from d2lpar.processes.commands import REPO, leftovers, run
-from tests.torch_only import LAUNCH_VARS, blocked_env, load_copy
+from d2lpar.processes.commands import REPO, leftovers
+from tests.torch_only import LAUNCH_VARS, load_copy, run_in_ranks
 
 SCRIPT = REPO / "d2lpar" / "examples" / "pipeline_torch.py"
 
@@ -34,14 +34,13 @@ def losses(text: str) -> list[str]:
 
 
 def test_two_ranks_equal_one_process(script, tmp_path, capsys):
-    job = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               str(tmp_path / SCRIPT.name), "--schedule", "1F1B", "--out", str(tmp_path / "two")],
-              env=blocked_env(tmp_path), cwd=tmp_path, timeout=180)
-    assert "rank 1 of 2 (1F1B, cpu): step 3, loss" in job.text()
+    run_in_ranks(tmp_path / SCRIPT.name, 2, ["--schedule", "1F1B", "--out", tmp_path / "two"])
+    ranks = capsys.readouterr().out
+    assert "rank 1 of 2 (1F1B, cpu): step 3, loss" in ranks
     one = script["main"](["--out", str(tmp_path / "one")])
     printed = capsys.readouterr().out
     assert "rank 0 of 1 (no pipeline, cpu): step 3" in printed
-    assert losses(job.text()) == losses(printed) and len(losses(printed)) == 3
+    assert losses(ranks) == losses(printed) and len(losses(printed)) == 3
     two = {k: v for r in range(2) for k, v in torch.load(tmp_path / "two" / f"stage{r}.pt").items()}
     initial = script["make_data_and_model"](8, 64)[2].state_dict()
     assert sorted(two) == sorted(one) == sorted(initial)

@@ -35,3 +35,7 @@ def test_equals_torch_adamw_and_works_on_shards():
 def test_bad_hyperparameters_are_named():
     with pytest.raises(ValueError, match="betas"):
         AdamW([torch.zeros(1)], betas=(0.9, 1.0))
+    for bad in ({"lr": float("nan")}, {"lr": float("inf")}, {"eps": -1e-8}, {"weight_decay": float("nan")},
+                {"betas": (0.9,)}, {"lr": "0.1"}):
+        with pytest.raises(ValueError, match="AdamW needs finite lr >= 0"):
+            AdamW([torch.zeros(1)], **bad)

@@ -134,6 +134,13 @@ def test_bad_stages_are_named_before_any_rank_starts(no_launch):
     with pytest.raises(ValueError, match=r"stage 0 outputs torch.float64, but stage 1's parameters are torch.float32"):
         run_pipeline(P.gpipe(2, 2), [nn.Linear(12, 12).double(), nn.Linear(12, 5)],
                      [(torch.randn(8, 12, dtype=torch.float64), torch.arange(8) % 5)])
+    with pytest.raises(ValueError, match=r"the input is torch.float64, but stage 0's parameters are torch.float32"):
+        run_pipeline(P.gpipe(2, 2), [nn.Linear(12, 12), nn.Linear(12, 5)],
+                     [(torch.randn(8, 12, dtype=torch.float64), torch.arange(8) % 5)])
+    with pytest.raises(ValueError, match="lr=nan: give a finite learning rate"):
+        run_pipeline(P.gpipe(2, 2), [nn.Linear(12, 12), nn.Linear(12, 5)], batch, lr=float("nan"))
+    with pytest.raises(ValueError, match="run_pipeline got no batches"):
+        run_pipeline(P.gpipe(2, 2), [nn.Linear(12, 12), nn.Linear(12, 5)], [])
     with pytest.raises(TypeError, match="split_model cuts a sequence of layers .* not a Linear"):
         split_model(nn.Linear(12, 12), 2)
     with pytest.raises(ValueError, match=r"batch 1 \(input shape \(1, 12\)\): a batch of 1 cannot be cut into 2"):

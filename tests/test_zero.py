@@ -113,11 +113,13 @@ def test_bad_input_is_named():
         launch(_disagree, 2, timeout=30)
     with pytest.raises(RuntimeError, match="none is initialised"):
         Z.ZeroAdamW(nn.Linear(2, 2), 1)
+    with pytest.raises(ValueError, match="AdamW needs finite lr >= 0.*lr=nan"):   # before any rank talks
+        Z.ZeroAdamW(nn.Linear(2, 2), 1, lr=float("nan"))
     with pytest.raises(ValueError, match="stage"):
         Z.sent_bytes(5, 10, 2)
 
 
-# ---------------------------------------------------- issue 17: start from rank 0, skip unused layers
+# --------------------------------------- every rank starts from rank 0's values; unused layers are skipped
 
 class _WithState(nn.Module):
     """A frozen layer and a buffer that shape the output, so their start values matter."""

@@ -23,6 +23,17 @@ import torch
 __all__ = ["AdamW"]
 
 
+def check_hyperparameters(lr, betas, eps, weight_decay) -> None:
+    """torch.optim.AdamW's ranges, with nan and inf refused too (a nan learning rate trains to nan)."""
+    def ok(x, top=math.inf):
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < top
+    if not (ok(lr) and ok(eps) and ok(weight_decay) and len(tuple(betas)) == 2
+            and all(ok(b, 1) for b in betas)):
+        raise ValueError(f"AdamW needs finite lr >= 0, eps >= 0, weight_decay >= 0 and two betas in "
+                         f"[0, 1); got lr={lr}, betas={tuple(betas)}, eps={eps}, "
+                         f"weight_decay={weight_decay}")
+
+
 class AdamW:
     """``AdamW(params, lr, betas, eps, weight_decay)``; ``step()`` updates each p from p.grad in place.
 
@@ -33,9 +44,7 @@ class AdamW:
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2):
         self.params = list(params)
-        if lr < 0 or eps < 0 or not all(0 <= b < 1 for b in betas) or weight_decay < 0:
-            raise ValueError(f"AdamW needs lr >= 0, eps >= 0, 0 <= betas < 1, weight_decay >= 0; got "
-                             f"lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
+        check_hyperparameters(lr, betas, eps, weight_decay)
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.state: dict[int, dict] = {}
 

@@ -81,6 +81,10 @@ def check_stages(stages: list[nn.Module], X: torch.Tensor, microbatches: int) ->
     if len(X) < microbatches:
         raise ValueError(f"a batch of {len(X)} cannot be cut into {microbatches} micro-batches: use "
                          f"at most {len(X)} micro-batches or a larger batch")
+    wants = _float_dtype(stages[0]) if stages else None
+    if wants is not None and X.is_floating_point() and X.dtype != wants:
+        raise ValueError(f"the input is {X.dtype}, but stage 0's parameters are {wants}: convert the "
+                         f"batches (X.to({wants})) or the model")
     shapes: list[list[tuple]] = [[] for _ in stages]
     sizes = [hi - lo for lo, hi in chunk_bounds(len(X), microbatches)]
     for size in sorted(set(sizes), key=sizes.index):   # at most two sizes: run each once
@@ -352,6 +356,8 @@ def run_pipeline(schedule: Schedule, stages: list[nn.Module], batches, loss_fn=n
         raise ScheduleError(f"{schedule.name} with p={schedule.ranks}, v={schedule.stages_per_rank} "
                             f"needs {schedule.stages} stages, got {len(stages)}: cut the model with "
                             f"split_model(model, {schedule.stages})")
+    if not (isinstance(lr, (int, float)) and 0 <= lr < float("inf")):
+        raise ValueError(f"lr={lr!r}: give a finite learning rate >= 0 (0 computes gradients only)")
     batches = list(batches)
     if not batches:
         raise ValueError("run_pipeline got no batches: give a list of (X, y) pairs")

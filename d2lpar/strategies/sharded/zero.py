@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from d2lpar.comm.collectives import ByteCounter, ring_all_gather, ring_rank_bytes, ring_reduce_scatter
-from d2lpar.infra.adamw import AdamW
+from d2lpar.infra.adamw import AdamW, check_hyperparameters
 from d2lpar.strategies.sharded.flat_shards import FlatUnit, padded_numel, shard_size, split_units
 
 __all__ = ["STAGES", "shard_size", "padded_numel", "model_state_bytes", "sent_bytes", "ZeroAdamW"]
@@ -86,6 +86,7 @@ class ZeroAdamW:
         if stage not in STAGES:
             raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}: 1 shards the optimizer "
                              "state, 2 also the gradients, 3 also the parameters")
+        check_hyperparameters(lr, betas, eps, weight_decay)
         if not dist.is_initialized():
             raise RuntimeError("ZeroAdamW shards over a process group, and none is initialised: "
                                "run it on ranks started by d2lpar.processes.launch.launch or torchrun")

@@ -11,8 +11,9 @@ d, a heads, MLP width f): ``tp_cost.activation_bytes`` counts what autograd save
 and the backward pass of a checkpointed segment first recomputes it, holding its k layers' A at once:
 the peak is M(k) = ceil(L/k) X + k A, smallest near **k = sqrt(L X / A)** (the sqrt(L) rule, for X ~ A).
 Extra forward FLOPs (matmuls, what ``FlopCounterMode`` counts): a full checkpoint recomputes the whole
-forward, L * (8bsd^2 + 4bs^2 d + 4bsdf), a third more than a training step's 3 forwards' worth;
-saving the matmuls recomputes only the attention's two batched products, L * 4bs^2 d.
+forward, L * (8bsd^2 + 4bs^2 d + 4bsdf), a third more than a training step's 3 forwards' worth, less
+the last product of each segment (ceil(L/k) * 2bsdf: torch stops recomputing once the backward has
+what it needs); saving the matmuls recomputes only the attention's two batched products, L * 4bs^2 d.
 
 **Bytes per parameter** with AdamW: fp32 training keeps 4 (weights) + 4 (gradients) + 8 (two moments)
 = 16; mixed precision keeps 2 (bf16 weights) + 2 (bf16 gradients) + 4 (fp32 master weights) + 8 = 16,
@@ -97,13 +98,17 @@ def best_spacing(L: int, X: float, A: float) -> float:
     return math.sqrt(L * X / A)
 
 
-def recompute_flops(mode: str, L: int, b: int, s: int, d: int, hidden: int) -> float:
-    """Extra forward matmul FLOPs that checkpointing adds to one training step."""
+def recompute_flops(mode: str, L: int, b: int, s: int, d: int, hidden: int, every: int = 1) -> float:
+    """Extra forward matmul FLOPs that checkpointing adds to one training step.
+
+    torch stops recomputing a segment once it has every tensor the backward needs: the segment's
+    last product (the last layer's fc2, 2bsdf FLOPs, whose output nothing inside saves) is skipped.
+    """
     _mode(mode)
     if mode == "none":
         return 0.0
     if mode == "full":
-        return L * layer_flops(b, s, d, hidden)
+        return L * layer_flops(b, s, d, hidden) - math.ceil(L / every) * 2 * b * s * d * hidden
     return L * 4 * b * s * s * d
 
 

@@ -62,6 +62,7 @@ LLAMA_70B_LIKE = GPTConfig(layers=80, d=8192, heads=64, hidden=35840, vocab=1282
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
+        self.cfg = cfg
         self.emb = nn.Embedding(cfg.vocab, cfg.d)
         self.layers = nn.ModuleList(TransformerLayer(cfg.d, cfg.heads, cfg.hidden) for _ in range(cfg.layers))
         self.norm, self.out = nn.LayerNorm(cfg.d), nn.Linear(cfg.d, cfg.vocab, bias=False)
@@ -160,6 +161,7 @@ def dry_run(model_fn, mesh_shape=(8,), plan: str = "fsdp", batch: int = 1, seq: 
         tp_mesh = mesh["tp"] if plan == "fsdp+tp" else None
         with torch.device("meta"):      # shapes only: shard them here, outside fake mode
             model = model_fn()
+        _check(shape, plan, getattr(model, "cfg", None), world)
         params = sum(p.numel() for p in model.parameters())
         if plan == "fsdp+tp":
             _tensor_parallel(model, tp_mesh)

@@ -1,0 +1,28 @@
+"""The fake-tensor dry run: rank 0's bytes equal the formulas for model and world sizes notebook 14
+does not use (it dry-runs the 8B model); bad input is one sentence, before anything is built."""
+
+import pytest
+
+from d2lpar.cost.memory_levers import dry_run_formula
+from d2lpar.strategies.memory.dry_run import GPT, GPTConfig, dry_run
+
+CONFIGS = [GPTConfig(2, 32, 2, 64, 96), GPTConfig(3, 48, 4, 96, 200), GPTConfig(1, 64, 8, 128, 64)]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["2x32", "3x48", "1x64"])
+def test_every_category_equals_its_formula(cfg):
+    for shape, plan in (((2,), "fsdp"), ((4,), "fsdp"), ((2, 2), "fsdp+tp")):
+        r = dry_run(lambda: GPT(cfg), shape, plan, batch=2, seq=8)
+        assert r.parameters == cfg.parameters()
+        want = dry_run_formula(cfg.layers, cfg.d, cfg.heads, cfg.hidden, cfg.vocab, shape, 2, 8)
+        assert r.measured() == pytest.approx(want, rel=1e-9), (shape, plan)
+
+
+def test_bad_input_is_one_sentence():
+    cfg = CONFIGS[0]
+    with pytest.raises(ValueError, match=r"the mesh \(4, 2\) holds 8 ranks, not the world of 6"):
+        dry_run(lambda: GPT(cfg), (4, 2), "fsdp+tp", world=6)
+    with pytest.raises(ValueError, match="heads=2 does not divide over tensor-parallel degree 4"):
+        dry_run(lambda: GPT(cfg), (1, 4), "fsdp+tp")
+    with pytest.raises(ValueError, match="plan='zero'"):
+        dry_run(lambda: GPT(cfg), (2,), "zero")

@@ -1,0 +1,110 @@
+"""Memory's levers against their formulas, on sizes notebook 14 does not use; bad input is one sentence.
+
+Notebook 14 runs the block stack of 8 layers (b=2, s=16, d=32); these tests use other sizes. The
+fake-tensor dry run is tested in test_dry_run.py.
+"""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from d2lpar.cost import memory_levers as ML
+from d2lpar.infra.autograd_meter import count_flops, saved_bytes
+from d2lpar.processes.launch import launch
+from d2lpar.strategies.memory import fp8
+from d2lpar.strategies.memory.checkpointing import MATMULS, CheckpointedStack, save_ops_policy
+from d2lpar.strategies.memory.fsdp_precision import fsdp_policy_run, single_process_run, tiny_model
+from d2lpar.strategies.memory.precision import MixedPrecisionAdamW, train_with_scaler
+from d2lpar.strategies.sharded.fsdp_checks import movement_error
+from d2lpar.strategies.tensor.blocks import TransformerLayer
+
+
+def stack(mode, every, L, d, heads, hidden):
+    torch.manual_seed(0)
+    return CheckpointedStack([TransformerLayer(d, heads, hidden) for _ in range(L)], mode, every)
+
+
+@pytest.mark.parametrize("L,b,s,d,heads,hidden", [(5, 3, 10, 24, 3, 40), (4, 1, 20, 16, 2, 64)])
+def test_checkpointing_saves_and_recomputes_what_the_formulas_say_with_the_same_gradients(L, b, s, d, heads, hidden):
+    x = torch.randn(b, s, d, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    other = x.detach() + 0.1
+    grads = {}
+    for mode, every in (("none", 1), ("full", 1), ("full", 2), ("full", 3), ("selective", 1)):
+        m = stack(mode, every, L, d, heads, hidden)
+        assert saved_bytes(lambda: m(x), m) == ML.saved_bytes(mode, L, b, s, d, heads, hidden, every)
+        flops = count_flops(lambda: m(x).square().sum().backward())
+        assert flops == ML.step_flops(L, b, s, d, hidden) + ML.recompute_flops(mode, L, b, s, d, hidden, every)
+        grads[mode, every] = [p.grad.clone() for p in m.parameters()]
+    m = stack("none", 1, L, d, heads, hidden)
+    m(other.requires_grad_()).square().sum().backward()
+    assert not all(torch.equal(p.grad, g) for p, g in zip(m.parameters(), grads["none", 1]))  # differ before
+    for key, got in grads.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, grads["none", 1])), key             # equal after
+
+
+def test_the_best_spacing_is_near_sqrt_of_the_ratio():
+    X, A, L = 1.0, 4.0, 64
+    peaks = {k: ML.checkpoint_peak(L, k, X, A) for k in range(1, L + 1)}
+    best = min(peaks, key=peaks.get)
+    assert abs(best - ML.best_spacing(L, X, A)) <= 1 and ML.best_spacing(L, 1, 1) == math.sqrt(L)
+
+
+def test_the_scaler_skips_each_step_with_an_inf_and_halves_its_scale():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    batch = (torch.randn(4, 8), torch.randn(4, 1))
+    run = train_with_scaler(model, [batch] * 10, nn.functional.mse_loss, inf_at={2, 3, 7}, growth_interval=2,
+                            init_scale=2.0 ** 10)   # 2^16 overflows this model's fp16 gradients: step 0 skipped too
+    assert [step for step, _, skipped, _ in run if skipped] == [2, 3, 7]
+    scales = [scale for _, scale, _, _ in run]
+    assert scales[3] == scales[2] / 2 and scales[4] == scales[3] / 2 and scales[8] == scales[7] / 2
+    assert max(scales) > scales[0]   # it grew after clean steps
+
+
+def test_bytes_per_parameter_match_the_playbook():
+    assert [(n, round(a), round(b)) for n, a, b in ML.playbook_table()] == \
+        [(1e9, 16, 20), (7e9, 112, 140), (70e9, 1120, 1400)]
+    opt = MixedPrecisionAdamW(nn.Linear(24, 8), fp32_grads=True)
+    opt.model(torch.randn(3, 24).bfloat16()).float().sum().backward()
+    opt.accumulate()
+    opt.step()
+    assert sum(opt.bytes_held().values()) == 20 * (24 * 8 + 8)
+
+
+def _policies():
+    return {str(rd): fsdp_policy_run(torch.bfloat16, rd, steps=2, micro=2)
+            for rd in (torch.float32, torch.bfloat16)}
+
+
+def test_fsdp2_collectives_move_the_policys_dtypes():
+    res = launch(_policies, 2, timeout=60)[0]
+    start, ref = tiny_model().state_dict(), single_process_run(2, steps=2, micro=2)
+    for rd, want in (("torch.float32", "float32"), ("torch.bfloat16", "bfloat16")):
+        first, last = res[rd]["collectives"]
+        assert {dt for kind, dt, _ in first + last if kind == "all_gather"} == {"bfloat16"}
+        assert not [c for c in first if c[0] == "reduce_scatter"]          # accumulating: no reduction
+        assert {dt for kind, dt, _ in last if kind == "reduce_scatter"} == {want}
+        assert 0 < movement_error(res[rd]["weights"], ref, start) < 0.2
+
+
+def test_fp8_error_and_what_the_scale_does():
+    torch.manual_seed(0)
+    a, b = torch.randn(32, 48), torch.randn(48, 16)
+    a[0, 0] = 2000.0   # an outlier above fp8's 448
+    exact = a @ b
+    scaled, raw = fp8.fp8_matmul(a, b), fp8.fp8_matmul(a, b, scaled=False)
+    assert fp8.relative_error(scaled, exact) < 0.1 < fp8.relative_error(raw, exact)
+
+
+def test_bad_input_is_one_sentence():
+    with pytest.raises(ValueError, match="saves no op recomputes everything"):
+        save_ops_policy([])
+    with pytest.raises(ValueError, match="mode='fast'"):
+        CheckpointedStack([nn.Linear(2, 2)], "fast")
+    with pytest.raises(ValueError, match="bf16 needs no GradScaler: it has fp32's exponent range"):
+        train_with_scaler(nn.Linear(2, 2), [], nn.functional.mse_loss, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"k \(columns of a, rows of b\) = 24 must be a multiple of 16"):
+        fp8.fp8_matmul(torch.randn(16, 24), torch.randn(24, 16))
+    assert save_ops_policy(MATMULS)

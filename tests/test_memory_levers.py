@@ -108,3 +108,18 @@ def test_bad_input_is_one_sentence():
     with pytest.raises(ValueError, match=r"k \(columns of a, rows of b\) = 24 must be a multiple of 16"):
         fp8.fp8_matmul(torch.randn(16, 24), torch.randn(24, 16))
     assert save_ops_policy(MATMULS)
+
+
+def test_the_torch_only_script_trains_the_same_with_either_checkpointing(tmp_path, monkeypatch):
+    from tests.torch_only import LAUNCH_VARS, load_copy, run_in_ranks
+    from d2lpar.processes.commands import REPO
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    script = REPO / "d2lpar" / "examples" / "memory_torch.py"
+    names = load_copy(script, tmp_path, monkeypatch)
+    full, selective = names["main"](["--steps", "4"]), names["main"](["--steps", "4", "--selective"])
+    assert full == selective and full[-1] < full[0]   # recomputing changes no number; it trains
+    two = run_in_ranks(tmp_path / script.name, 2, ["--steps", "4"])
+    assert two[0] != two[1] and all(r[-1] < r[0] for r in two)   # own data per rank; both train
+    with pytest.raises(names["Usage"], match="--steps 0: give at least 1"):
+        names["main"](["--steps", "0"])

@@ -11,7 +11,7 @@ CONFIGS = [GPTConfig(2, 32, 2, 64, 96), GPTConfig(3, 48, 4, 96, 200), GPTConfig(
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["2x32", "3x48", "1x64"])
 def test_every_category_equals_its_formula(cfg):
-    for shape, plan in (((2,), "fsdp"), ((4,), "fsdp"), ((2, 2), "fsdp+tp")):
+    for shape, plan in (((2,), "fsdp"), ((4,), "fsdp"), ((8,), "fsdp"), ((2, 2), "fsdp+tp")):
         r = dry_run(lambda: GPT(cfg), shape, plan, batch=2, seq=8)
         assert r.parameters == cfg.parameters()
         want = dry_run_formula(cfg.layers, cfg.d, cfg.heads, cfg.hidden, cfg.vocab, shape, 2, 8)

@@ -1,0 +1,68 @@
+"""Ring attention (causal or not, zig-zag or not) and Ulysses equal scaled_dot_product_attention on
+one device, in output and gradients, on 2, 3 and 4 ranks and sizes notebook 15 does not use; bytes
+sent equal the formulas; bad input is one sentence."""
+
+import pytest
+import torch
+
+from d2lpar.bench.context import check_run
+from d2lpar.processes.launch import RankFailed, launch
+from d2lpar.strategies.context import ring as R
+from d2lpar.strategies.context.ulysses import ulysses_attention
+
+
+def _all_ring_cases(n):
+    """Every ring case on this many ranks, in one launch (sizes: b 1, 3 heads, 12n tokens, d_h 4)."""
+    from d2lpar.bench.context import _worker
+    import torch.distributed as dist
+    out = {}
+    for causal in (False, True):
+        for zigzag in (False, True):
+            g = torch.Generator().manual_seed(1)
+            q, k, v, W = (torch.randn(1, 3, 12 * n, 4, generator=g) for _ in range(4))
+            out[causal, zigzag] = _worker(q, k, v, W, "ring", causal, zigzag)
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ring_attention_equals_one_device(n):
+    res = launch(_all_ring_cases, n, n, timeout=60)
+    for (causal, zigzag), _ in res[0].items():
+        g = torch.Generator().manual_seed(1)
+        q, k, v, W = (torch.randn(1, 3, 12 * n, 4, generator=g) for _ in range(4))
+        out = R.merge_sequence([r[causal, zigzag][0] for r in res], zigzag)
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        ref = R.reference_attention(qq, kk, vv, causal)
+        (ref * W).sum().backward()
+        other = R.reference_attention(q, k, v, not causal)
+        assert (other - ref).abs().max() > 1e-2                       # the mask matters ...
+        torch.testing.assert_close(out, ref.detach(), rtol=1e-5, atol=1e-5)   # ... and is honoured
+        for i, t in enumerate((qq, kk, vv)):
+            grad = R.merge_sequence([r[causal, zigzag][1][i] for r in res], zigzag)
+            torch.testing.assert_close(grad, t.grad, rtol=1e-5, atol=1e-5)
+        assert res[0][causal, zigzag][2] == 2 * (n - 1) * 2 * 1 * 12 * 3 * 4 * 4   # fwd + bwd bytes
+
+
+def test_ulysses_equals_one_device_and_sends_the_formula():
+    for n in (2, 3):
+        ratio, diff = check_run("ulysses", n, b=1, heads=6, S=18, dh=4, causal=True)
+        assert ratio == 1.0 and diff < 1e-5
+
+
+def test_zigzag_balances_the_causal_work():
+    for n in (2, 3, 5):
+        naive, zig = R.work_per_rank(n, True, False), R.work_per_rank(n, True, True)
+        assert naive == [r + 0.5 for r in range(n)]   # rank r: r full blocks and a triangle
+        assert len(set(zig)) == 1                      # every rank the same
+        assert sum(naive) * 4 == sum(zig)   # 2N chunks: blocks a quarter the size, four times as many
+
+
+def _heads_do_not_divide():
+    ulysses_attention(*(torch.randn(1, 3, 4, 2) for _ in range(3)))
+
+
+def test_bad_input_is_one_sentence():
+    with pytest.raises(ValueError, match="a sequence of 10 tokens does not cut into 4 equal chunks"):
+        R.split_sequence(torch.randn(1, 1, 10, 2), 2, zigzag=True)
+    with pytest.raises(RankFailed, match="the heads must divide evenly; use a number of ranks that divides 3"):
+        launch(_heads_do_not_divide, 2, timeout=30)

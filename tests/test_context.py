@@ -66,3 +66,22 @@ def test_bad_input_is_one_sentence():
         R.split_sequence(torch.randn(1, 1, 10, 2), 2, zigzag=True)
     with pytest.raises(RankFailed, match="the heads must divide evenly; use a number of ranks that divides 3"):
         launch(_heads_do_not_divide, 2, timeout=30)
+
+
+def test_the_torch_script_says_what_it_needs_on_a_cpu(tmp_path, monkeypatch):
+    from d2lpar.processes.commands import REPO
+    from tests.torch_only import load_copy
+    names = load_copy(REPO / "d2lpar" / "examples" / "context_parallel_torch.py", tmp_path, monkeypatch)
+    if torch.cuda.is_available():
+        assert names["main"](["--seq", "256"]) < 0.05
+    else:
+        with pytest.raises(names["Usage"], match="context_parallel needs CUDA GPUs in torch 2.14"):
+            names["main"]([])
+
+
+@pytest.mark.cuda
+def test_context_parallel_equals_one_gpu(tmp_path, monkeypatch):
+    from d2lpar.processes.commands import REPO
+    from tests.torch_only import load_copy
+    names = load_copy(REPO / "d2lpar" / "examples" / "context_parallel_torch.py", tmp_path, monkeypatch)
+    assert names["main"](["--seq", "1024"]) < 0.05

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
             print(f"{method:<22}{n:>6}{ratio:>17.3f}{diff:>12.1e}")
     for n in (2, 4):
         wait = None if args.wait_ms is None else args.wait_ms / 1e3
-        t = launch(ring_overlap, n, 1, 64, 4, 512, wait, quiet=True, timeout=120)[0]
+        t = launch(ring_overlap, n, 1, 128, 4, 1024, wait, quiet=True, timeout=120)[0]
         a, c, o = t["compute"], t["transfer"], t["overlapped"]
         print(f"ring on {n} ranks: compute {a * 1e3:.1f} ms, transfers {c * 1e3:.1f} ms, sum "
               f"{(a + c) * 1e3:.1f} ms, overlapped {o * 1e3:.1f} ms = {o / max(a, c):.2f}x the max")

@@ -1,0 +1,191 @@
+"""Faults planted on purpose, each a function to run on 2-4 launched ranks, each ending on its own.
+
+Hangs and mismatches (run with ``launch(..., init_process_group=False)``: each sets up its own group):
+
+* ``skip_collective``: rank 1 skips one all-reduce that rank 0 calls. ``how`` = 'hang' waits (the
+  launcher's timeout shows each rank's stack); 'monitored' then calls ``dist.monitored_barrier``,
+  which names the rank that did not arrive; 'recorded' gives the group a short timeout and dumps the
+  flight recorder (``d2lpar.comm.flight_recorder``) on every rank.
+* ``mismatch``: the ranks disagree on one all-reduce: 'order' (all-reduce and broadcast in opposite
+  orders), 'shape' (4 against 6 elements), 'dtype' (float32 against int32, the same bytes).
+
+Training faults (DDP on a tiny model, launched normally): ``uneven_batches`` (one rank has a batch
+more; ``fix`` = 'join' or 'equal'), ``unused_parameter`` (a layer the forward skips;
+``find_unused``). Silent errors, each returning what a check can test: ``dropout_masks``
+(``seed_per_rank``), ``sampler_orders`` (``set_epoch``), ``manual_data_parallel_step``
+(``average``), ``device_for`` (LOCAL_RANK or RANK on a second node) and ``nan_step`` (``guard``).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["skip_collective", "mismatch", "uneven_batches", "unused_parameter", "dropout_masks",
+           "sampler_orders", "manual_data_parallel_step", "device_for", "nan_step"]
+
+
+def _init(timeout_s: float) -> int:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank()
+
+
+def skip_collective(how: str = "hang", folder: str | None = None, run: str = "", timeout_s: float = 60):
+    rank = _init(timeout_s)
+    t = torch.ones(4)
+    dist.all_reduce(t)                 # collective 1: everyone
+    dist.broadcast(t, 0)               # collective 2: everyone
+    error = None
+    try:
+        if rank != 1:
+            if how == "monitored":     # placed just before the collective under suspicion
+                dist.monitored_barrier(timeout=timedelta(seconds=timeout_s))
+            dist.all_reduce(t)         # collective 3: rank 1 skips it (a branch on the rank)
+        dist.all_reduce(torch.ones(2))   # the next collective everyone calls
+    except RuntimeError as e:
+        error = str(e).splitlines()[0][:300]
+    if how == "recorded":
+        from d2lpar.comm.flight_recorder import dump
+        dump(folder, run)
+    dist.destroy_process_group()       # no closing barrier: the peers disagree by now
+    return error
+
+
+def mismatch(kind: str, timeout_s: float = 5):
+    rank = _init(timeout_s)
+    result = None
+    try:
+        if kind == "order":
+            a, b = torch.full((4,), rank + 1.0), torch.full((4,), 10.0 * (rank + 1))
+            ops = [lambda: dist.all_reduce(a), lambda: dist.broadcast(b, 0)]
+            for op in (ops if rank == 0 else ops[::-1]):
+                op()
+            result = (a.tolist(), b.tolist())
+        elif kind == "shape":
+            t = torch.ones(4 + 2 * rank)
+            dist.all_reduce(t)
+            result = t.tolist()
+        elif kind == "dtype":
+            t = torch.ones(4) if rank == 0 else torch.ones(4, dtype=torch.int32)
+            dist.all_reduce(t)
+            result = t.tolist()
+        else:
+            raise ValueError(f"kind={kind!r}: use 'order', 'shape' or 'dtype'")
+    except RuntimeError as e:
+        result = "error: " + str(e).splitlines()[0][:300]
+    dist.destroy_process_group()
+    return result
+
+
+def _ddp_model(seed: int = 0, branch: bool = False):
+    torch.manual_seed(seed)
+    model = nn.ModuleDict({"body": nn.Linear(4, 4), "unused": nn.Linear(4, 4)}) if branch else nn.Linear(4, 4)
+    return model
+
+
+class _SkipsALayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.body(x).sum(-1, keepdim=True)   # self.head never runs
+
+
+def uneven_batches(fix: str | None = None):
+    """DDP over a hand-made split (every N-th example, no padding): rank 0 has one batch more."""
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    rank, n = dist.get_rank(), dist.get_world_size()
+    data = torch.randn(7 * n + 1, 4, generator=torch.Generator().manual_seed(0))   # one example more
+    mine = data[rank::n]
+    if fix == "equal":                 # what DistributedSampler(drop_last=True) does: cut to the shortest
+        mine = mine[: len(data) // n]
+    model = DDP(nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = 0
+    context = Join([model]) if fix == "join" else _nothing()
+    with context:
+        for x in mine.split(1):        # batches of one example
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            steps += 1
+    return steps
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def unused_parameter(find_unused: bool = False, steps: int = 2):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = DDP(_SkipsALayer(), find_unused_parameters=find_unused)
+    for _ in range(steps):
+        model(torch.randn(2, 4)).sum().backward()
+    return steps
+
+
+def dropout_masks(seed_per_rank: bool):
+    """The dropout mask this rank draws after seeding (every rank alike, or seed + rank)."""
+    torch.manual_seed(0 + (dist.get_rank() if seed_per_rank else 0))
+    return nn.functional.dropout(torch.ones(16), 0.5) > 0
+
+
+def sampler_orders(set_epoch: bool, epochs: int = 2):
+    """The order this rank's DistributedSampler gives in each epoch."""
+    from torch.utils.data import DistributedSampler
+    sampler = DistributedSampler(range(16), shuffle=True, seed=0)
+    orders = []
+    for epoch in range(epochs):
+        if set_epoch:
+            sampler.set_epoch(epoch)
+        orders.append(list(sampler))
+    return orders
+
+
+def manual_data_parallel_step(average: bool, lr: float = 0.1):
+    """One SGD step of data parallelism written by hand: all-reduce the gradients, then step."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    X = torch.randn(4 * n, 4, generator=torch.Generator().manual_seed(1))
+    nn.functional.mse_loss(model(X.chunk(n)[rank]), torch.zeros(4, 1)).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)            # a SUM over ranks
+        if average:
+            p.grad /= n
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def device_for(env: dict[str, str], use_local_rank: bool) -> str:
+    """The GPU a process picks from its launcher's variables: cuda:LOCAL_RANK, or (wrong) cuda:RANK."""
+    return f"cuda:{env['LOCAL_RANK'] if use_local_rank else env['RANK']}"
+
+
+def nan_step(guard: bool):
+    """Rank 1's gradient is NaN (a bad batch). Unguarded, the all-reduce spreads it to every rank;
+    guarded, the ranks first agree whether every gradient is finite, name the ranks that are not,
+    and all skip the step."""
+    rank = dist.get_rank()
+    grad = torch.ones(3) * (float("nan") if rank == 1 else 1.0)
+    if guard:
+        finite = torch.tensor([float(torch.isfinite(grad).all())])
+        flags = [torch.zeros(1) for _ in range(dist.get_world_size())]
+        dist.all_gather(flags, finite)
+        bad = [r for r, f in enumerate(flags) if f.item() == 0]
+        if bad:
+            return {"skipped": True, "bad_ranks": bad, "grad": None}
+    dist.all_reduce(grad)
+    return {"skipped": False, "bad_ranks": [], "grad": grad.tolist()}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -57,9 +58,13 @@ def py_spy_of_a_waiting_rank(delay: float = 1.0) -> str | None:
         time.sleep(delay)   # rank 0 is in the all-reduce by now, waiting for this rank
         exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
         if os.path.exists(exe):
-            job = subprocess.run([exe, "dump", "--pid", str(pids[0])], capture_output=True, text=True,
-                                 timeout=30)
-            out = job.stdout or job.stderr
+            for _ in range(5):   # a dump taken while rank 0 is between two lines can miss the wait
+                job = subprocess.run([exe, "dump", "--pid", str(pids[0])], capture_output=True,
+                                     text=True, timeout=30, env={**os.environ, "NO_COLOR": "1"})
+                out = re.sub(r"\x1b\[[0-9;]*m", "", job.stdout or job.stderr)   # no colours
+                if "all_reduce" in out:
+                    break
+                time.sleep(0.5)
         else:
             out = "py-spy is not installed (pip install py-spy)"
     dist.all_reduce(torch.ones(1))

@@ -1,0 +1,66 @@
+"""Each planted fault of notebook 16 is found by its tool, and each fix makes its check pass, on 3
+ranks where the notebook uses 2."""
+
+import pytest
+import torch
+
+from d2lpar.comm import faults
+from d2lpar.processes.launch import LaunchTimeout, RankFailed, launch
+
+
+def test_the_skipped_collective_hangs_and_the_tools_name_rank_1():
+    with pytest.raises(LaunchTimeout) as hang:
+        launch(faults.skip_collective, 3, "hang", init_process_group=False, timeout=3, quiet=True,
+               progress=None)
+    text = str(hang.value)
+    assert "rank 1 was in barrier" in text and "rank 0 was in all_reduce" in text
+    said = launch(faults.skip_collective, 3, "monitored", timeout_s=2, init_process_group=False,
+                  timeout=20, quiet=True)
+    assert "Rank 1 failed to pass monitoredBarrier" in said[0]
+
+
+def test_mismatched_dtypes_are_silent_then_named_by_detail():
+    plain = launch(faults.mismatch, 3, "dtype", 2, init_process_group=False, timeout=20, quiet=True)
+    assert plain[0] != [3.0] * 4                       # a wrong sum, no error
+    detail = launch(faults.mismatch, 3, "dtype", 2, init_process_group=False, timeout=20, quiet=True,
+                    env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    assert all(d.startswith("error: Detected mismatch between collectives") for d in detail)
+
+
+def test_uneven_batches_end_with_join_and_unused_parameters_are_named():
+    assert launch(faults.uneven_batches, 3, "join", timeout=20, quiet=True) == [8, 7, 7]
+    with pytest.raises(RankFailed, match="Parameters which did not receive grad for rank [0-2]: head.bias, head.weight"):
+        launch(faults.unused_parameter, 3, False, timeout=20, quiet=True, env={"TORCH_DISTRIBUTED_DEBUG": "INFO"})
+    assert launch(faults.unused_parameter, 3, True, timeout=20, quiet=True) == [2, 2, 2]
+
+
+def _silent_checks():
+    out = {}
+    for fix in (False, True):
+        masks = [faults.dropout_masks(fix)]
+        orders = faults.sampler_orders(fix)
+        step = faults.manual_data_parallel_step(fix)
+        nan = faults.nan_step(fix)
+        out[fix] = (masks[0], orders, step, nan)
+    return out
+
+
+def test_each_silent_error_fails_its_check_until_fixed():
+    res = launch(_silent_checks, 3, timeout=30, quiet=True)
+    for fix in (False, True):
+        masks = [r[fix][0] for r in res]
+        assert (not torch.equal(masks[0], masks[1])) == fix
+        assert (res[0][fix][1][0] != res[0][fix][1][1]) == fix
+        nan = res[0][fix][3]
+        assert nan["skipped"] == fix and (nan["bad_ranks"] == [1]) == fix
+    summed, averaged = res[0][False][2]["weight"], res[0][True][2]["weight"]
+    torch.manual_seed(0)
+    start = torch.nn.Linear(4, 1).weight.detach()
+    assert torch.allclose(summed - start, 3 * (averaged - start), atol=1e-6)   # 3 ranks: 3x the step
+    assert faults.device_for({"RANK": "9", "LOCAL_RANK": "1"}, True) == "cuda:1"
+    assert faults.device_for({"RANK": "9", "LOCAL_RANK": "1"}, False) == "cuda:9"
+
+
+def test_a_bad_mismatch_kind_is_one_sentence():
+    with pytest.raises(RankFailed, match="kind='size': use 'order', 'shape' or 'dtype'"):
+        launch(faults.mismatch, 2, "size", 2, init_process_group=False, timeout=20, quiet=True)

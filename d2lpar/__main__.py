@@ -18,7 +18,6 @@ BENCHMARKS = {
     "memory": "d2lpar.bench.memory",
     "context": "d2lpar.bench.context",
     "expert": "d2lpar.bench.expert",
-    "3d": "d2lpar.bench.threed",
 }
 
 
@@ -36,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks that print figures")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options for the benchmark")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:   # its options start with --: hand them over before argparse sees them
+        from d2lpar.cost.planner import main as plan_main
+        return plan_main(argv[1:]) or 0
     args = parser.parse_args(argv)
     if args.command == "info":
         from d2lpar.info import machine_report
@@ -47,9 +50,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "quiet":
         from d2lpar.infra.timing import quiet_or_exit
         return quiet_or_exit()
-    if args.command == "plan":
-        from d2lpar.cost.planner import main as plan_main
-        return plan_main(args.rest) or 0
     module = importlib.import_module(BENCHMARKS[args.name])
     return module.main(args.rest) or 0
 

@@ -1,0 +1,40 @@
+"""Published figures, recomputed with the formulas the planner uses.
+
+* Megatron-LM (Narayanan et al. 2021, arXiv 2104.04473), eq. 2: a GPT of l layers, width h,
+  vocabulary V and sequence s has P = 12 l h^2 (1 + 13/(12 h) + (V + s)/(12 l h)) parameters; eq. 4:
+  training on T tokens with n GPUs at X FLOP/s each takes about 8 T P / (n X) seconds (6 T P for
+  forward and backward, and 2 T P more to recompute activations).
+* torchtitan's Llama 3.1 8B on 8 H100s: tokens per second per GPU turned into MFU with its FLOPs per
+  token, 6 (N - N_embedding) + 12 l a d_h s, at the H100's 989 TFLOP/s dense bf16 peak.
+* The JAX scaling book: data parallelism is compute-bound when each GPU's batch exceeds
+  peak FLOP/s / link bandwidth tokens: 990e12 / 450e9 = 2,200 on H100s inside a node.
+"""
+
+from __future__ import annotations
+
+__all__ = ["megatron_parameters", "MEGATRON_TABLE_1", "megatron_days", "torchtitan_mfu",
+           "compute_bound_batch"]
+
+# Megatron-LM's Table 1: (billions of parameters as published, layers, hidden size); V = 51,200, s = 2,048
+MEGATRON_TABLE_1 = [(1.7, 24, 2304), (3.6, 30, 3072), (7.5, 36, 4096), (18.4, 40, 6144),
+                    (39.1, 48, 8192), (76.1, 60, 10240), (145.6, 80, 12288), (310.1, 96, 16384),
+                    (529.6, 105, 20480), (1008.0, 128, 25600)]
+
+
+def megatron_parameters(l: int, h: int, V: int = 51200, s: int = 2048) -> float:
+    return 12 * l * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * l * h))
+
+
+def megatron_days(tokens: float, params: float, gpus: int, flops_per_gpu: float) -> float:
+    return 8 * tokens * params / (gpus * flops_per_gpu) / 86400
+
+
+def torchtitan_mfu(tokens_per_s_per_gpu: float, params: float, embedding: float, layers: int,
+                   heads: int, head_dim: int, seq: int, peak: float = 989e12) -> float:
+    flops_per_token = 6 * (params - embedding) + 12 * layers * heads * head_dim * seq
+    return tokens_per_s_per_gpu * flops_per_token / peak
+
+
+def compute_bound_batch(peak_flops: float = 990e12, bandwidth: float = 450e9) -> float:
+    """Tokens per GPU above which a data-parallel step's compute outlasts its gradient traffic."""
+    return peak_flops / bandwidth

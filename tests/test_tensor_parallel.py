@@ -272,3 +272,15 @@ def test_ranks_fed_different_inputs_are_named_not_aborted():
         launch(_inputs_disagree, 2, "shape", timeout=30)
     with pytest.raises(RankFailed, match=r"rank 0: shape .* \(float32\); rank 1: shape .* \(float64\)"):
         launch(_inputs_disagree, 2, "dtype", timeout=30)
+
+
+def _counted_under_comm_debug_mode():
+    from torch.distributed.tensor.debug import CommDebugMode
+    block = B.ParallelMLP(D, HID)
+    with CommDebugMode() as comm:
+        block(torch.randn(2, S, D))
+    return tp.torch_counts(comm)
+
+
+def test_the_input_check_is_not_counted_as_the_layers_communication():
+    assert launch(_counted_under_comm_debug_mode, 2, timeout=30)[0] == {"all_reduce": 1}

@@ -184,7 +184,9 @@ def check_same_input(layer: str, x: torch.Tensor, group=None) -> None:
     code = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else len(_DTYPES)
     mine[:x.dim() + 2] = torch.tensor([code, x.dim(), *x.shape], dtype=torch.int64)
     every = [torch.empty_like(mine) for _ in range(size)]
-    dist.all_gather(every, mine, group=group)
+    from torch.utils._python_dispatch import _disable_current_modes
+    with _disable_current_modes():   # a check, not the layer's communication: CommDebugMode must not count it
+        dist.all_gather(every, mine, group=group)
     seen = [tuple(int(v) for v in t if v >= 0) for t in every]
     if len(set(seen)) > 1:
         def said(s):

@@ -2,10 +2,12 @@
 
 Hangs and mismatches (run with ``launch(..., init_process_group=False)``: each sets up its own group):
 
-* ``skip_collective``: rank 1 skips one all-reduce that rank 0 calls. ``how`` = 'hang' waits (the
-  launcher's timeout shows each rank's stack); 'monitored' then calls ``dist.monitored_barrier``,
-  which names the rank that did not arrive; 'recorded' gives the group a short timeout and dumps the
-  flight recorder (``d2lpar.comm.flight_recorder``) on every rank.
+* ``skip_collective``: rank 1 skips one all-reduce that rank 0 calls. Collectives pair up by order,
+  not by line: rank 1's next all-reduce completes rank 0's skipped one, and the hang appears one
+  collective later (rank 0 in an all-reduce, rank 1 in the final barrier). ``how`` = 'hang' waits
+  (the launcher's timeout shows each rank's stack); 'monitored' calls ``dist.monitored_barrier`` just
+  before the suspect, which names the rank that did not arrive; 'recorded' gives the group a short
+  timeout and dumps the flight recorder (``d2lpar.comm.flight_recorder``) on every rank.
 * ``mismatch``: the ranks disagree on one all-reduce: 'order' (all-reduce and broadcast in opposite
   orders), 'shape' (4 against 6 elements), 'dtype' (float32 against int32, the same bytes).
 
@@ -44,7 +46,8 @@ def skip_collective(how: str = "hang", folder: str | None = None, run: str = "",
             if how == "monitored":     # placed just before the collective under suspicion
                 dist.monitored_barrier(timeout=timedelta(seconds=timeout_s))
             dist.all_reduce(t)         # collective 3: rank 1 skips it (a branch on the rank)
-        dist.all_reduce(torch.ones(2))   # the next collective everyone calls
+        dist.all_reduce(torch.ones(4))   # the next one everyone calls: rank 1's pairs with rank 0's 3rd
+        dist.barrier()                 # the end of the epoch: rank 0 is still in its all-reduce
     except RuntimeError as e:
         error = str(e).splitlines()[0][:300]
     if how == "recorded":

@@ -91,13 +91,25 @@ def first_disagreement(dumps: dict[int, list[dict]]) -> dict | None:
     for seq in range(1, last + 1):
         seen = {r: _key(entries.get(seq)) for r, entries in by_seq.items()}
         if len(set(seen.values())) > 1:
-            common, _ = Counter(seen.values()).most_common(1)[0]
+            common, _ = Counter(seen.values()).most_common(1)[0]   # a tie: the lowest rank's
             culprits = sorted(r for r, k in seen.items() if k != common) or sorted(seen)
-            where = {r: by_seq[r][seq]["where"] for r in by_seq if seq in by_seq[r]}
             text = (f"collective #{seq}: " + "; ".join(f"rank {r}: {k}" for r, k in sorted(seen.items()))
-                    + f". Odd one out: rank(s) {culprits}"
-                    + (f" (rank {culprits[0]} at {where[culprits[0]]})" if culprits[0] in where else ""))
+                    + f". Odd one out: rank(s) {culprits}.")
+            lines = _first_other_call_site(by_seq, seq)
+            if lines:
+                text += f" Earlier, collective #{lines[0]} was called from different lines: " + "; ".join(
+                    f"rank {r} at {w}" for r, w in sorted(lines[1].items()))
             return {"seq": seq, "per_rank": seen, "culprits": culprits, "text": text}
+    return None
+
+
+def _first_other_call_site(by_seq, upto: int):
+    """(seq, {rank: call site}) of the first collective before ``upto`` called from different lines
+    on different ranks (often the real cause: a collective one rank skipped, paired with the next)."""
+    for seq in range(1, upto + 1):
+        sites = {r: entries[seq]["where"] for r, entries in by_seq.items() if seq in entries}
+        if len(set(sites.values())) > 1:
+            return seq, sites
     return None
 
 
@@ -109,8 +121,17 @@ def _key(entry) -> str:
 
 def torch_analysis(folder: str | Path) -> str:
     """What torch's analyzer (``torch.distributed.flight_recorder.fr_trace``) prints for the folder."""
+    import logging
+
     from torch.distributed.flight_recorder.fr_trace import main
     out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        main([str(folder), "-p", "rank_"])
+    logger = logging.getLogger("Flight Recorder")   # the analyzer reports through this logger
+    handler = logging.StreamHandler(out)
+    saved = logger.handlers[:]
+    logger.handlers = [handler]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            main([str(folder), "-p", "rank_"])
+    finally:
+        logger.handlers = saved
     return out.getvalue()

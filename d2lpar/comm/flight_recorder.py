@@ -123,8 +123,10 @@ def torch_analysis(folder: str | Path) -> str:
     """What torch's analyzer (``torch.distributed.flight_recorder.fr_trace``) prints for the folder."""
     import logging
 
-    from torch.distributed.flight_recorder.fr_trace import main
     out = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        # importing it prints "tabulate is not installed" without that package
+        from torch.distributed.flight_recorder.fr_trace import main
     logger = logging.getLogger("Flight Recorder")   # the analyzer reports through this logger
     handler = logging.StreamHandler(out)
     saved = logger.handlers[:]

@@ -20,6 +20,7 @@ more; ``fix`` = 'join' or 'equal'), ``unused_parameter`` (a layer the forward sk
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import torch
@@ -28,6 +29,11 @@ from torch import nn
 
 __all__ = ["skip_collective", "mismatch", "uneven_batches", "unused_parameter", "dropout_masks",
            "sampler_orders", "manual_data_parallel_step", "device_for", "nan_step"]
+
+
+def _said(e: Exception) -> str:
+    """The error's first line, without the C++ source location gloo puts in front of it."""
+    return re.sub(r"\[/\S+\] ", "", str(e).splitlines()[0])[:300]
 
 
 def _init(timeout_s: float) -> int:
@@ -49,7 +55,7 @@ def skip_collective(how: str = "hang", folder: str | None = None, run: str = "",
         dist.all_reduce(torch.ones(4))   # the next one everyone calls: rank 1's pairs with rank 0's 3rd
         dist.barrier()                 # the end of the epoch: rank 0 is still in its all-reduce
     except RuntimeError as e:
-        error = str(e).splitlines()[0][:300]
+        error = _said(e)
     if how == "recorded":
         from d2lpar.comm.flight_recorder import dump
         dump(folder, run)
@@ -78,7 +84,7 @@ def mismatch(kind: str, timeout_s: float = 5):
         else:
             raise ValueError(f"kind={kind!r}: use 'order', 'shape' or 'dtype'")
     except RuntimeError as e:
-        result = "error: " + str(e).splitlines()[0][:300]
+        result = "error: " + _said(e)
     dist.destroy_process_group()
     return result
 

@@ -20,6 +20,8 @@ import weakref
 import torch
 from torch import nn
 
+from d2lpar.infra.autograd_meter import saved_bytes
+
 __all__ = ["saved_activation_bytes", "SavedTensors"]
 
 
@@ -28,19 +30,7 @@ def saved_activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
 
     A tensor saved by two operations counts once; a slice counts its own elements.
     """
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        # Key by the address of the first element: the same tensor saved twice counts once, and a
-        # slice of a bigger tensor counts its own elements, not the whole storage.
-        if t.untyped_storage().data_ptr() not in params:
-            saved[t.data_ptr()] = max(saved.get(t.data_ptr(), 0), t.numel() * t.element_size())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x).sum()  # sum saves nothing: its backward only needs the shape
-    return sum(saved.values())
+    return saved_bytes(lambda: model(x).sum(), model)   # sum saves nothing: its backward needs a shape
 
 
 class _Held:

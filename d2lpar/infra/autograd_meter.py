@@ -21,7 +21,8 @@ __all__ = ["saved_bytes", "count_flops"]
 
 
 def saved_bytes(fn, *exclude: nn.Module) -> int:
-    """Bytes of the tensors saved for backward while ``fn()`` runs (a tensor saved twice counts once)."""
+    """Bytes of the tensors saved for backward while ``fn()`` runs (a tensor saved twice counts once,
+    keyed by the address of its first element: a slice of a bigger tensor counts its own elements)."""
     params = {p.untyped_storage().data_ptr() for m in exclude for p in m.parameters()}
     saved: dict[int, int] = {}
 

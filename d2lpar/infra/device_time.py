@@ -19,6 +19,12 @@ the backward of the k-th layer it reaches ends no earlier than that start plus t
 the first k layers. Work the CPU does meanwhile (the real gradients, hooks, copies) is hidden in that
 time as long as it fits, as a CPU's work hides behind a GPU's queue; a late wake-up of one layer
 does not push the later ones back. A layer with its own clock (the default) just waits ``seconds``.
+
+``Busy(layer, flops, rate)`` stands in for a whole device, forward and backward: after the layer's
+real forward it waits ``flops(x) / rate`` (its forward FLOPs at the simulated device's rate), and at
+the start of its backward twice that (a backward computes two products for each forward one). The
+layer's own messages (a tensor-parallel all-reduce) still run for real, after or before the wait,
+as they follow the computation on a device that does not overlap them.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from torch import nn
 
 from d2lpar.infra.timing import Timeline
 
-__all__ = ["DeviceClock", "Timed", "timed_mlp", "set_backward_time", "record"]
+__all__ = ["DeviceClock", "Timed", "timed_mlp", "set_backward_time", "record", "Busy"]
 
 
 class DeviceClock:
@@ -134,3 +140,33 @@ def record(model: nn.Module, timeline: Timeline | None, lane: str = "compute") -
     for m in model.modules():
         if isinstance(m, Timed):
             m.timeline, m.lane = timeline, lane
+
+
+class _WaitInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, seconds):
+        ctx.seconds = seconds
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class Busy(nn.Module):
+    """``layer`` computed on a simulated device of ``rate`` FLOP/s (``flops(x)``: its forward FLOPs)."""
+
+    def __init__(self, layer: nn.Module, flops, rate: float):
+        super().__init__()
+        if not rate > 0:
+            raise ValueError(f"rate={rate!r}: give the simulated device's FLOP/s, a positive number")
+        self.layer, self.flops, self.rate = layer, flops, rate
+
+    def forward(self, x):
+        seconds = self.flops(x) / self.rate
+        y = self.layer(x)
+        time.sleep(seconds)
+        if torch.is_grad_enabled() and y.requires_grad:
+            y = _WaitInBackward.apply(y, 2 * seconds)
+        return y

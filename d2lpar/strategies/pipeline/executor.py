@@ -198,9 +198,11 @@ LOOKAHEAD = 8
 
 def run_schedule(schedule: Schedule, modules: dict[int, nn.Module], X: torch.Tensor,
                  y: torch.Tensor, loss_fn, shapes: list[list[tuple]],
-                 wait: dict[str, float] | None = None) -> dict:
+                 wait: dict[str, float] | None = None, ranks: list[int] | None = None) -> dict:
     """This rank's part of one training step (inside a launched rank; gradients land in .grad).
 
+    ranks: the global ranks that run the pipeline, pipeline rank i on ``ranks[i]`` (a pipeline
+    group of a 3D mesh); default: the world, pipeline rank = global rank.
     Returns this rank's spans, the loss of the micro-batches its last stage saw, and per stage the
     peak bytes of saved activations and the bytes of one micro-batch's activations.
     """
@@ -208,7 +210,12 @@ def run_schedule(schedule: Schedule, modules: dict[int, nn.Module], X: torch.Ten
     if len(shapes) != S or any(len(col) != m for col in shapes):
         raise ValueError(f"shapes must come from check_stages(stages, X, {m}) for this schedule's "
                          f"{S} stages and {m} micro-batches")
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    me = dist.get_rank() if dist.is_initialized() else 0
+    ranks = list(range(p)) if ranks is None else list(ranks)
+    if len(ranks) != p or me not in ranks:
+        raise ValueError(f"ranks={ranks}: give the {p} global ranks of this rank's pipeline, "
+                         f"this rank ({me}) among them")
+    rank = ranks.index(me)   # pipeline rank; messages go to global ranks[...]
     stages = {s: _Stage(modules[s], schedule.split) for s in schedule.stages_of(rank)}
     bounds = chunk_bounds(len(X), m)
     device = _device_of(modules[schedule.stages_of(rank)[0]], X.device)
@@ -219,7 +226,7 @@ def run_schedule(schedule: Schedule, modules: dict[int, nn.Module], X: torch.Ten
         if schedule.rank_of(to_stage) == rank:
             local[tag] = t
         else:
-            works.append((dist.isend(t.contiguous(), schedule.rank_of(to_stage), tag=tag), t))
+            works.append((dist.isend(t.contiguous(), ranks[schedule.rank_of(to_stage)], tag=tag), t))
 
     def source(a):
         """(shape, dtype, from stage, tag) of the message action ``a`` waits for, or None."""
@@ -235,7 +242,7 @@ def run_schedule(schedule: Schedule, modules: dict[int, nn.Module], X: torch.Ten
         src = source(order[i]) if i < len(order) and i not in posted else None
         if src is not None and schedule.rank_of(src[2]) != rank:
             buf = torch.empty(src[0], dtype=src[1], device=device)
-            posted[i] = (dist.irecv(buf, schedule.rank_of(src[2]), tag=src[3]), buf)
+            posted[i] = (dist.irecv(buf, ranks[schedule.rank_of(src[2])], tag=src[3]), buf)
 
     def recv(i: int) -> torch.Tensor:
         src = source(order[i])
@@ -268,7 +275,7 @@ def run_schedule(schedule: Schedule, modules: dict[int, nn.Module], X: torch.Ten
             gx = st.backward(mb, g if a.kind != "W" else None, a.kind)
         if wait and wait.get(a.kind):   # the stand-in device finishes, then the result can be sent
             time.sleep(max(0.0, wait[a.kind] - (time.perf_counter() - t0)))
-        spans.append((f"rank {rank}", str(a), t0, time.perf_counter()))
+        spans.append((f"rank {me}", str(a), t0, time.perf_counter()))
         if a.kind == "F":
             if last:
                 loss += l.item()

@@ -39,11 +39,16 @@ __all__ = ["MLP", "SelfAttention", "TransformerLayer", "attention", "ParallelMLP
 
 # ----------------------------------------------------------------------- single-device baselines
 
-def attention(qkv: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """softmax(q k^T / sqrt(dh)) v for every head; qkv is (b, s, heads * 3 * dh), head by head."""
+def attention(qkv: torch.Tensor, head_dim: int, causal: bool = False) -> torch.Tensor:
+    """softmax(q k^T / sqrt(dh)) v for every head; qkv is (b, s, heads * 3 * dh), head by head.
+
+    causal: token i attends to tokens 0..i only (a decoder, as GPT)."""
     b, s, _ = qkv.shape
     q, k, v = qkv.view(b, s, -1, 3, head_dim).permute(3, 0, 2, 1, 4)  # each (b, heads, s, dh)
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(head_dim)
+    if causal:
+        future = torch.ones(s, s, dtype=torch.bool, device=qkv.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
     return (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1)
 
 
@@ -57,22 +62,22 @@ class MLP(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, d: int, heads: int):
+    def __init__(self, d: int, heads: int, causal: bool = False):
         super().__init__()
         require_divisible("d (model width, split into heads)", d, heads)
-        self.head_dim = d // heads
+        self.head_dim, self.causal = d // heads, causal
         self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
 
     def forward(self, x):
-        return self.out(attention(self.qkv(x), self.head_dim))
+        return self.out(attention(self.qkv(x), self.head_dim, self.causal))
 
 
 class TransformerLayer(nn.Module):
     """Pre-LayerNorm: x + attn(ln1(x)), then + mlp(ln2(.))."""
 
-    def __init__(self, d: int, heads: int, hidden: int):
+    def __init__(self, d: int, heads: int, hidden: int, causal: bool = False):
         super().__init__()
-        self.ln1, self.attn = nn.LayerNorm(d), SelfAttention(d, heads)
+        self.ln1, self.attn = nn.LayerNorm(d), SelfAttention(d, heads, causal)
         self.ln2, self.mlp = nn.LayerNorm(d), MLP(d, hidden)
 
     def forward(self, x):
@@ -111,7 +116,7 @@ class ParallelSelfAttention(nn.Module):
     """Heads split over ranks: QKV column-parallel (whole heads per rank), output row-parallel."""
 
     def __init__(self, d: int, heads: int, group=None, sequence_parallel: bool = False,
-                 full: SelfAttention | None = None):
+                 full: SelfAttention | None = None, causal: bool = False):
         super().__init__()
         _, size = tp_world(group)
         # every size that shapes the attention, before a rank's own checks can fail alone
@@ -120,14 +125,14 @@ class ParallelSelfAttention(nn.Module):
                          ("d", "heads", "head_dim", "sequence_parallel"))
         require_divisible("d (model width, split into heads)", d, heads)
         require_divisible("heads", heads, size)
-        self.head_dim = d // heads
+        self.head_dim, self.causal = d // heads, causal if full is None else full.causal
         self.qkv = ColumnParallelLinear(d, 3 * d, group=group, full=_part(full, "qkv"),
                                         input_comm="gather" if sequence_parallel else "copy")
         self.out = RowParallelLinear(d, d, group=group, full=_part(full, "out"),
                                      output_comm="scatter" if sequence_parallel else "reduce")
 
     def forward(self, x):
-        return self.out(attention(self.qkv(x), self.head_dim))
+        return self.out(attention(self.qkv(x), self.head_dim, self.causal))
 
 
 class ParallelLayerNorm(nn.LayerNorm):
@@ -146,11 +151,11 @@ class ParallelTransformerLayer(nn.Module):
     reduce-scatter) pairs each way with LayerNorms and residuals on s/t tokens."""
 
     def __init__(self, d: int, heads: int, hidden: int, group=None, sequence_parallel: bool = False,
-                 full: TransformerLayer | None = None):
+                 full: TransformerLayer | None = None, causal: bool = False):
         super().__init__()
         sp = sequence_parallel
         self.ln1 = ParallelLayerNorm(d, sp, _part(full, "ln1"))
-        self.attn = ParallelSelfAttention(d, heads, group, sp, _part(full, "attn"))
+        self.attn = ParallelSelfAttention(d, heads, group, sp, _part(full, "attn"), causal)
         self.ln2 = ParallelLayerNorm(d, sp, _part(full, "ln2"))
         self.mlp = ParallelMLP(d, hidden, group, sp, _part(full, "mlp"))
 

@@ -37,6 +37,7 @@ when their gradient is partial per rank and needs ``sync_sequence_parallel_grads
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +58,8 @@ class Comm:
     phase: str     # forward or backward
     nbytes: int    # bytes of the whole tensor (all-gather: its output; reduce-scatter: its input)
     ranks: int     # size of the group
+    start: float = field(default=0.0, compare=False)   # perf_counter() when it began and ended
+    end: float = field(default=0.0, compare=False)
 
     @property
     def sent(self) -> float:
@@ -101,9 +104,10 @@ def count_comms():
         _logs.remove(log)
 
 
-def record_comm(kind: str, phase: str, nbytes: int, ranks: int) -> None:
+def record_comm(kind: str, phase: str, nbytes: int, ranks: int, start: float = 0.0,
+                end: float = 0.0) -> None:
     for log in _logs:
-        log.comms.append(Comm(kind, phase, int(nbytes), ranks))
+        log.comms.append(Comm(kind, phase, int(nbytes), ranks, start, end))
 
 
 _TORCH_NAMES = {"all_reduce": "all_reduce", "allreduce_": "all_reduce",
@@ -212,8 +216,9 @@ def _all_reduce(x: torch.Tensor, group, phase: str) -> torch.Tensor:
     if size == 1:
         return x
     x = x.contiguous().clone()
-    record_comm("all_reduce", phase, x.numel() * x.element_size(), size)
+    t0 = time.perf_counter()
     dist.all_reduce(x, group=group)
+    record_comm("all_reduce", phase, x.numel() * x.element_size(), size, t0, time.perf_counter())
     return x
 
 

@@ -1,0 +1,190 @@
+"""Data x tensor x pipeline parallelism by hand, from the course's own parts.
+
+The world's ranks form a grid ``arange(world).view(dp, pp, tp)`` (``sharded.mesh.Mesh``): tensor
+parallelism innermost, on neighbouring ranks (the fast links of one node); each rank has three
+groups, the lines of the grid through it. One training step, on every rank:
+
+1. **data**: the rank takes the rows of the global batch of its dp coordinate;
+2. **pipeline**: it runs stage ``pp coordinate`` of the model (``split_model``) in the 1F1B schedule
+   of notebook 11 (``run_schedule``), sending activations and gradients to the ranks of its pp group;
+3. **tensor**: inside the stage, each transformer layer is Megatron's (notebook 12), cut over the tp
+   group: 2 all-reduces forward, 2 backward. The embedding and the head stay whole on each tp rank:
+   they see the same input and the same gradient, so their gradients agree without a message;
+4. **data again**: after the schedule, the gradients are averaged over the dp group in one flat
+   all-reduce (notebook 05's rule: average, then step), and each rank steps AdamW on what it holds.
+
+Each rank holds 1/(tp pp) of the model's transformer weights; every message is real. With
+``rate``, each layer also waits its FLOPs / rate in forward and twice that in backward
+(``infra.device_time.Busy``): a simulated device, so that 8 ranks on 2 cores time as 8 devices would.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from d2lpar.cost.tp_cost import layer_flops
+from d2lpar.infra.data import chunk_bounds
+from d2lpar.infra.device_time import Busy
+from d2lpar.infra.timing import Span, Timeline
+from d2lpar.processes.launch import launch
+from d2lpar.strategies.pipeline.executor import check_stages, run_schedule, split_model
+from d2lpar.strategies.pipeline.schedules import one_f_one_b, split_layers
+from d2lpar.strategies.sharded.mesh import Mesh, grid
+from d2lpar.strategies.tensor.blocks import ParallelTransformerLayer, TransformerLayer, gather_full
+from d2lpar.strategies.tensor.mappings import count_comms
+from d2lpar.strategies.threed.gpt import Head, gpt_sizes, next_char_loss
+
+__all__ = ["check_3d", "parallel_stage", "average_gradients", "run_3d", "ThreeDResult", "forward_flops"]
+
+
+def check_3d(model: nn.Sequential, shape: tuple[int, int, int], batch: int, microbatches: int) -> None:
+    """One sentence per layout that cannot run this model on this batch."""
+    dp, pp, tp = shape
+    if min(shape) < 1:
+        raise ValueError(f"dp x pp x tp = {shape}: every degree must be at least 1")
+    size = gpt_sizes(model)
+    for name in ("heads", "d", "hidden"):
+        if size[name] % tp:
+            raise ValueError(f"tensor degree {tp} does not divide {name}={size[name]}: choose a tp "
+                             f"that divides the heads, the width and the MLP's width")
+    if pp > size["layers"] + 2:
+        raise ValueError(f"pipeline degree {pp} is more than the model's {size['layers'] + 2} layers "
+                         f"(embedding, {size['layers']} transformer layers, head): use pp <= {size['layers'] + 2}")
+    if batch % dp or batch // dp < microbatches:
+        raise ValueError(f"a global batch of {batch} does not give each of dp={dp} ranks "
+                         f"{microbatches} micro-batches: use a batch that is a multiple of {dp} "
+                         f"and at least {dp * microbatches}")
+
+
+def forward_flops(layer: nn.Module, tp: int, x: torch.Tensor) -> float:
+    """Forward FLOPs of one of the GPT's layers on input ``x``, per tp rank (``tp_cost.layer_flops``;
+    the head's product 2 b s d V; the embedding's lookup: none)."""
+    b, s = x.shape[:2]
+    if isinstance(layer, (TransformerLayer, ParallelTransformerLayer)):
+        return layer_flops(b, s, layer.ln1.normalized_shape[0], layer.mlp.fc1.out_features) / tp
+    if isinstance(layer, Head):
+        return 2 * b * s * layer.out.in_features * layer.out.out_features
+    return 0.0
+
+
+def parallel_stage(stage: nn.Sequential, tp_group, rate: float | None = None) -> nn.Sequential:
+    """The stage with each transformer layer cut over ``tp_group`` (Megatron's layer, built from
+    the single-device one: this rank keeps its heads and its part of the MLP); the other layers whole.
+    With ``rate``, every layer computes on a simulated device of that many FLOP/s."""
+    tp = dist.get_world_size(tp_group)
+    layers = []
+    for layer in stage:
+        if isinstance(layer, TransformerLayer):
+            d = layer.ln1.normalized_shape[0]
+            layer = ParallelTransformerLayer(d, d // layer.attn.head_dim, layer.mlp.fc1.out_features,
+                                             group=tp_group, full=layer)
+        else:
+            layer = copy.deepcopy(layer)
+        if rate:
+            layer = Busy(layer, functools.partial(forward_flops, layer, tp), rate)
+        layers.append(layer)
+    return nn.Sequential(*layers)
+
+
+def average_gradients(module: nn.Module, group) -> int:
+    """Average every gradient over the data-parallel group in one flat all-reduce; bytes sent in."""
+    n = dist.get_world_size(group)
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    if n == 1 or not grads:
+        return 0
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= n
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
+    return flat.numel() * flat.element_size()
+
+
+def _worker(model, shape, batches, lr, microbatches, rate, warmup, gather):
+    dp, pp, tp = shape
+    mesh = Mesh((dp, pp, tp), ("dp", "pp", "tp"))
+    di, pi, ti = mesh.coords
+    full_stages = split_model(model, pp)
+    stage = parallel_stage(full_stages[pi], mesh.group("tp"), rate)
+    schedule = one_f_one_b(pp, microbatches)
+    opt = torch.optim.AdamW(stage.parameters(), lr=lr)
+    per = len(batches[0][0]) // dp
+    rows = [(X[di * per:(di + 1) * per], Y[di * per:(di + 1) * per]) for X, Y in batches]
+    shapes = check_stages(full_stages, rows[0][0], microbatches)
+    losses, steps = [], []
+    for step, (X, Y) in enumerate([rows[0]] * warmup + rows):
+        opt.zero_grad(set_to_none=True)
+        dist.barrier()   # every rank starts the step together
+        t0 = time.perf_counter()
+        with count_comms() as log:
+            out = run_schedule(schedule, {pi: stage}, X, Y, next_char_loss, shapes, ranks=mesh.ranks("pp"))
+        t1 = time.perf_counter()
+        sent = average_gradients(stage, mesh.group("dp"))
+        opt.step()
+        t2 = time.perf_counter()
+        if step >= warmup:
+            losses.append(out["loss"])
+            steps.append({"spans": out["spans"], "comms": [(c.start, c.end) for c in log.comms],
+                          "start": t0, "schedule_end": t1, "end": t2, "dp_bytes": sent})
+    state = None
+    if gather:
+        part = gather_full(stage, group=mesh.group("tp"))   # a collective over tp
+        lo, _ = split_layers(len(model), pp)[pi]
+        state = {}
+        for k, v in part.items():   # stage-local names -> the model's ("0.layer.x" under Busy -> "x")
+            i, rest = k.split(".", 1)
+            state[f"{lo + int(i)}.{rest.removeprefix('layer.') if rate else rest}"] = v
+    return {"coords": mesh.coords, "groups": {n: mesh.ranks(n) for n in ("dp", "pp", "tp")},
+            "losses": losses, "steps": steps, "state": state if di == 0 and ti == 0 else None}
+
+
+@dataclass
+class ThreeDResult:
+    shape: tuple[int, int, int]
+    losses: list[float]              # per step, the global batch's mean loss
+    state: dict[str, torch.Tensor]   # the model's state dict after the last step, rebuilt from the parts
+    groups: list[dict]               # per rank, its grid coordinates and the ranks of its three groups
+    timeline: Timeline               # the last step: 1F1B actions and tensor-parallel all-reduces per rank
+    step_times: list[float]          # per step, the slowest rank's seconds (barrier to optimizer step)
+
+    def grid_text(self) -> str:
+        dp, pp, tp = self.shape
+        return str(grid(dp * pp * tp, self.shape).tolist())
+
+
+def run_3d(model: nn.Sequential, shape: tuple[int, int, int], batches, lr: float = 3e-3,
+           microbatches: int = 2, rate: float | None = None, warmup: int = 0, gather: bool = True,
+           timeout: float = 120.0) -> ThreeDResult:
+    """Train ``model`` (a ``char_gpt``) on ``batches`` with dp x pp x tp = ``shape`` ranks; the caller's
+    model is not changed. ``rate``: simulate devices of that many FLOP/s (for timing)."""
+    batches = list(batches)
+    if not batches:
+        raise ValueError("run_3d got no batches: give a list of (X, Y) pairs")
+    check_3d(model, shape, len(batches[0][0]), microbatches)
+    results = launch(_worker, math.prod(shape), model, tuple(shape), batches, lr, microbatches, rate,
+                     warmup, gather, timeout=timeout)
+    state = {}
+    for r in results:
+        state.update(r["state"] or {})
+    last_pp = [r for r in results if r["coords"][1] == shape[1] - 1]
+    dp = shape[0]
+    losses = [sum(r["losses"][k] for r in last_pp if r["coords"][2] == 0) / dp
+              for k in range(len(batches))]
+    spans = []
+    for rank, r in enumerate(results):
+        last = r["steps"][-1]
+        spans += [Span(*sp) for sp in last["spans"]]
+        spans += [Span(f"rank {rank}", "all-reduce", a, b) for a, b in last["comms"]]
+        spans.append(Span(f"rank {rank}", "dp all-reduce", last["schedule_end"], last["end"]))
+    steps = [max(r["steps"][k]["end"] for r in results) - min(r["steps"][k]["start"] for r in results)
+             for k in range(len(batches))]
+    groups = [{"rank": i, "coords": r["coords"], **r["groups"]} for i, r in enumerate(results)]
+    return ThreeDResult(tuple(shape), losses, state, groups, Timeline(spans), steps)

@@ -18,6 +18,7 @@ BENCHMARKS = {
     "memory": "d2lpar.bench.memory",
     "context": "d2lpar.bench.context",
     "expert": "d2lpar.bench.expert",
+    "3d": "d2lpar.bench.threed",
 }
 
 

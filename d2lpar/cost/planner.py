@@ -32,7 +32,7 @@ from d2lpar.cost.tp_cost import layer_flops
 from d2lpar.strategies.sharded.zero import model_state_bytes, sent_bytes
 
 __all__ = ["Model", "Cluster", "Layout", "Plan", "memory", "step_time", "evaluate", "plan", "describe",
-           "layouts", "model_flops_per_step", "check_cluster",
+           "layouts", "model_flops_per_step", "check_cluster", "by_degrees", "why_lost", "PRECISIONS",
            "check_layout", "MODELS", "CLUSTERS", "main"]
 
 GB = 1e9
@@ -48,6 +48,7 @@ class Model:
     vocab: int
     batch: int            # global batch, in sequences
     hidden: int = 0       # MLP width (0: 4 d)
+    precision: str = "bf16"   # 'bf16' (mixed: fp32 master weights) or 'fp32'
 
     @property
     def f(self) -> int:
@@ -111,32 +112,60 @@ def check_layout(model: Model, cluster: Cluster, lay: Layout) -> None:
                          f"{lay.micro} micro-batches")
 
 
+# bytes per parameter (weights, gradients, optimizer state: bf16 mixed keeps fp32 master weights and
+# AdamW's two fp32 moments) and per activation value
+PRECISIONS = {"bf16": {"param": 2, "grad": 2, "optimizer": 12, "act": 2},
+              "fp32": {"param": 4, "grad": 4, "optimizer": 8, "act": 4}}
+
+
+def _bytes(model: Model) -> dict[str, int]:
+    if model.precision not in PRECISIONS:
+        raise ValueError(f"precision={model.precision!r}: use one of {sorted(PRECISIONS)}")
+    return PRECISIONS[model.precision]
+
+
 def _stage_parameters(model: Model, lay: Layout) -> float:
     """Parameters one GPU of the largest stage holds before ZeRO: its layers cut in tp, the
-    embedding (or output layer) whole."""
+    embedding and the output layer whole (one of them per end stage once there is a pipeline)."""
     _, _, p_split, p_rest = ML.split_parameters(1, model.d, model.heads, model.f, model.vocab)
     layers = math.ceil(model.layers / lay.pp)
-    return layers * (p_split / lay.tp + p_rest) + model.vocab * model.d + 2 * model.d
+    ends = 2 if lay.pp == 1 else 1
+    return layers * (p_split / lay.tp + p_rest) + ends * model.vocab * model.d + 2 * model.d
 
 
 def memory(model: Model, lay: Layout) -> dict[str, float]:
-    """Bytes per GPU by category (the first pipeline stage: it holds the most activations)."""
+    """Bytes per GPU by category (the first pipeline stage: it holds the most activations).
+
+    ZeRO-3 also holds, while a layer runs, that layer's gathered parameters and the embedding and
+    output layer (the root unit): notebook 14's dry run measures them as 'unsharded' and 'all-gather'.
+    With no pipeline, the one stage also keeps the output layer's activations (its logits)."""
+    by = _bytes(model)
     psi = _stage_parameters(model, lay)
-    states = model_state_bytes(lay.zero, psi, lay.dp, param_bytes=2, grad_bytes=2, optimizer_bytes=12)
+    states = model_state_bytes(lay.zero, psi, lay.dp, param_bytes=by["param"], grad_bytes=by["grad"],
+                               optimizer_bytes=by["optimizer"])
     b = model.batch // (lay.dp * lay.micro)          # sequences per micro-batch
+    s, d = model.seq, model.d
     layers = math.ceil(model.layers / lay.pp)
     in_flight = peak_microbatches("1F1B", lay.pp, lay.micro)[0]
-    full = ML.layer_activations(b, model.seq, model.d, model.heads, model.f, lay.tp) / 2   # bf16
+    scale = by["act"] / 4      # the levers' formulas count fp32 bytes
+    full = ML.layer_activations(b, s, d, model.heads, model.f, lay.tp) * scale
     if lay.checkpoint == "full":
-        per_mb = layers * ML.input_bytes(b, model.seq, model.d) / 2 / lay.tp
+        per_mb = layers * ML.input_bytes(b, s, d) * scale / lay.tp
         act = per_mb * in_flight + full
     elif lay.checkpoint == "selective":
-        per_mb = layers * 2 * b * model.seq * (6 * model.d + model.f) / lay.tp
+        per_mb = layers * by["act"] * b * s * (6 * d + model.f) / lay.tp
         act = per_mb * in_flight + full
     else:
         act = layers * full * in_flight
-    return {"parameters": states["params"], "gradients": states["grads"],
-            "optimizer": states["optimizer"], "activations": act}
+    if lay.pp == 1:   # final LayerNorm, the output layer's input, its logits' log-softmax
+        act += by["act"] * (2 * b * s * d + 2 * b * s + b * s * model.vocab)
+    out = {"parameters": states["params"], "gradients": states["grads"],
+           "optimizer": states["optimizer"], "activations": act}
+    if lay.zero == 3 and lay.dp > 1:
+        _, _, p_split, p_rest = ML.split_parameters(1, d, model.heads, model.f, model.vocab)
+        ends = (2 if lay.pp == 1 else 1) * model.vocab * d + 2 * d
+        out["gathered"] = by["param"] * (p_split / lay.tp + p_rest + ends)
+    return out
 
 
 def _link(cluster: Cluster, span: int) -> Link:
@@ -150,8 +179,11 @@ def _machine(cluster: Cluster, link: Link, n: int) -> Machine:
     return Machine(cluster.name, n, link, reduce_bandwidth=1e12)
 
 
-def step_time(model: Model, cluster: Cluster, lay: Layout) -> dict[str, float]:
-    """Seconds per step: compute, bubble, exposed tensor/data/pipeline communication."""
+def step_time(model: Model, cluster: Cluster, lay: Layout, dp_overlap: bool = True) -> dict[str, float]:
+    """Seconds per step: compute, bubble, exposed tensor/data/pipeline communication.
+
+    dp_overlap: the data-parallel reduction runs in buckets during the backward pass (DDP, FSDP);
+    False: after it (the course's hand-built 3D run), all of it exposed."""
     rate = cluster.peak_flops * cluster.utilisation
     b = model.batch // (lay.dp * lay.micro)
     layers = math.ceil(model.layers / lay.pp)
@@ -161,15 +193,15 @@ def step_time(model: Model, cluster: Cluster, lay: Layout) -> dict[str, float]:
     compute = lay.micro * (per_mb + head) / rate
     bubble = megatron_ratio(lay.pp, lay.micro) * compute
     tp_link = _link(cluster, lay.tp)   # tp innermost: consecutive GPUs
-    act = 2 * b * model.seq * model.d   # one bf16 activation
+    act = _bytes(model)["act"] * b * model.seq * model.d   # one activation
     tp = 0.0 if lay.tp == 1 else lay.micro * layers * 4 * allreduce_time(
         "ring", act, lay.tp, _machine(cluster, tp_link, lay.tp))
     psi = _stage_parameters(model, lay)
     dp_link = _link(cluster, lay.tp * lay.dp)
-    dp_bytes = sent_bytes(lay.zero, psi, lay.dp, param_bytes=2) if lay.dp > 1 else 0.0
+    dp_bytes = sent_bytes(lay.zero, psi, lay.dp, param_bytes=_bytes(model)["grad"]) if lay.dp > 1 else 0.0
     dp_comm = 0.0 if lay.dp == 1 else (lay.dp - 1) * dp_link.latency * 2 + dp_bytes / dp_link.bandwidth
     backward = compute * 2 / 3
-    dp = max(0.0, dp_comm - backward)   # buckets overlap the backward pass
+    dp = max(0.0, dp_comm - backward) if dp_overlap else dp_comm   # buckets overlap the backward
     pp_link = _link(cluster, cluster.gpus)   # stages span nodes once the model is cut that way
     pp = 0.0 if lay.pp == 1 else 2 * (lay.micro + lay.pp - 1) * pp_link.time(act / lay.tp)
     return {"compute": compute, "bubble": bubble, "tensor": tp, "data": dp, "pipeline": pp}
@@ -208,9 +240,10 @@ def _divisors(n: int) -> list[int]:
 
 
 def layouts(model: Model, cluster: Cluster, micro=(1, 2, 4, 8, 16, 32, 64),
-            checkpoints=("none", "selective", "full"), zeros=(0, 1, 2, 3)):
+            checkpoints=("none", "selective", "full"), zeros=(0, 1, 2, 3), max_tp: int | None = None):
+    """Every layout to try; tensor parallelism stays inside a node unless ``max_tp`` allows more."""
     for tp in _divisors(cluster.gpus):
-        if tp > cluster.gpus_per_node or model.heads % tp or model.d % tp or model.f % tp:
+        if tp > (max_tp or cluster.gpus_per_node) or model.heads % tp or model.d % tp or model.f % tp:
             continue
         for pp in _divisors(cluster.gpus // tp):
             dp = cluster.gpus // (tp * pp)
@@ -240,6 +273,40 @@ def plan(model: Model, cluster: Cluster, top: int = 3, **kw) -> list[Plan]:
                          f"needs {small.peak_memory / GB:.1f} GB ({small.layout}); more GPUs, GPUs with more "
                          f"memory, or a smaller global batch would help")
     return fitting[:top]
+
+
+def by_degrees(model: Model, cluster: Cluster, **kw) -> dict[tuple[int, int], Plan]:
+    """For each (tp, pp), its fastest layout that fits or, if none fits, its smallest one
+    (``Plan.fits`` tells which): the planner's map of where each degree belongs."""
+    check_cluster(cluster)
+    best: dict[tuple[int, int], Plan] = {}
+    for lay in layouts(model, cluster, **kw):
+        p = evaluate(model, cluster, lay)
+        key, old = (lay.tp, lay.pp), best.get((lay.tp, lay.pp))
+        if old is None or (p.fits, -p.step if p.fits else -p.peak_memory) > \
+                (old.fits, -old.step if old.fits else -old.peak_memory):
+            best[key] = p
+    return best
+
+
+def why_lost(winner: Plan, model: Model, cluster: Cluster, top: int = 4, **kw) -> list[str]:
+    """One line per (tp, pp) that lost: did not fit (and by how much), or which part of its step
+    (the best layout with those degrees) exceeds the winner's most."""
+    lines = []
+    rivals = sorted(by_degrees(model, cluster, **kw).values(), key=lambda p: (not p.fits, p.step))
+    for p in rivals:
+        lay = p.layout
+        if (lay.tp, lay.pp) == (winner.layout.tp, winner.layout.pp):
+            continue
+        if not p.fits:
+            lines.append(f"tp {lay.tp} x pp {lay.pp}: does not fit, the smallest needs "
+                         f"{p.peak_memory / GB:.1f} GB of {cluster.memory_gb:g}")
+            continue
+        part = max(p.time, key=lambda k: p.time[k] - winner.time.get(k, 0.0))
+        lines.append(f"tp {lay.tp} x pp {lay.pp}: {p.step:.3f} s, +{p.step - winner.step:.3f} s, most "
+                     f"of it {part} (+{p.time[part] - winner.time.get(part, 0.0):.3f} s)")
+    fit = [ln for ln in lines if "does not fit" not in ln][:top]
+    return fit + [ln for ln in lines if "does not fit" in ln][:top]
 
 
 def describe(p: Plan, model: Model, cluster: Cluster) -> str:
@@ -284,8 +351,13 @@ def main(argv=None) -> int:
     if None in (model.layers, model.d, model.heads, model.seq, model.vocab, model.batch):
         p.error("a custom model needs --layers, --d, --heads, --seq, --vocab and --batch")
     try:
-        for best in plan(model, cluster, top=a.top):
-            print(describe(best, model, cluster))
+        best = plan(model, cluster, top=a.top)
+        print(f"{model.name} ({model.parameters() / 1e9:.1f} B parameters) on {cluster.name}:")
+        for p in best:
+            print(describe(p, model, cluster))
+        print("why the other degrees lost (each with its best ZeRO stage, micro-batches, checkpointing):")
+        for line in why_lost(best[0], model, cluster):
+            print("    " + line)
     except ValueError as e:
         print(f"python -m d2lpar plan: error: {e}")
         return 2

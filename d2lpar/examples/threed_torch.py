@@ -24,6 +24,7 @@ import math
 import os
 import random
 import sys
+import time
 import warnings
 
 import torch
@@ -238,9 +239,12 @@ def train(a, rank: int, world: int, device: torch.device) -> dict:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
         pipe = PipelineStage(stage, stage_index, a.pp, device, group=mesh["pp"].get_group())
         schedule = Schedule1F1B(pipe, a.microbatches, loss_fn=loss_fn)   # grads of the batch's mean loss
-    per, losses = batches[0][0].shape[0] // a.dp, []
+    per, losses, seconds = batches[0][0].shape[0] // a.dp, [], []
     for X, Y in batches:
         X, Y = X[row * per:(row + 1) * per].to(device), Y[row * per:(row + 1) * per].to(device)
+        if world > 1:
+            dist.barrier()   # every rank starts the step together
+        t0 = time.perf_counter()
         opt.zero_grad()
         if schedule is None:
             loss = loss_fn(stage(X), Y)
@@ -255,6 +259,7 @@ def train(a, rank: int, world: int, device: torch.device) -> dict:
         else:
             schedule.step()
         opt.step()
+        seconds.append(time.perf_counter() - t0)
     last = stage_index == a.pp - 1
     if losses and a.dp > 1:   # the global batch's loss: the mean of the dp groups'
         losses = torch.stack(losses)
@@ -267,7 +272,8 @@ def train(a, rank: int, world: int, device: torch.device) -> dict:
     if last and rank == world - 1:
         print(f"dp {a.dp} x tp {a.tp} x pp {a.pp} on {device}: losses "
               + " ".join(f"{float(v):.4f}" for v in losses), flush=True)
-    return {"stage": stage_index, "losses": [float(v) for v in losses] if last else [], "state": state}
+    return {"stage": stage_index, "losses": [float(v) for v in losses] if last else [], "state": state,
+            "seconds": seconds}
 
 
 if __name__ == "__main__":

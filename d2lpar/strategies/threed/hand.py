@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from d2lpar.cost.tp_cost import layer_flops
 from d2lpar.infra.data import chunk_bounds
 from d2lpar.infra.device_time import Busy
 from d2lpar.infra.timing import Span, Timeline
@@ -42,7 +41,8 @@ from d2lpar.strategies.tensor.blocks import ParallelTransformerLayer, Transforme
 from d2lpar.strategies.tensor.mappings import count_comms
 from d2lpar.strategies.threed.gpt import Head, gpt_sizes, next_char_loss
 
-__all__ = ["check_3d", "parallel_stage", "average_gradients", "run_3d", "ThreeDResult", "forward_flops"]
+__all__ = ["check_3d", "parallel_stage", "average_gradients", "run_3d", "ThreeDResult", "forward_flops",
+           "time_layouts"]
 
 
 def check_3d(model: nn.Sequential, shape: tuple[int, int, int], batch: int, microbatches: int) -> None:
@@ -65,11 +65,14 @@ def check_3d(model: nn.Sequential, shape: tuple[int, int, int], batch: int, micr
 
 
 def forward_flops(layer: nn.Module, tp: int, x: torch.Tensor) -> float:
-    """Forward FLOPs of one of the GPT's layers on input ``x``, per tp rank (``tp_cost.layer_flops``;
-    the head's product 2 b s d V; the embedding's lookup: none)."""
+    """Forward FLOPs of one of the GPT's layers on input ``x``, per tp rank (matmuls only; the head's
+    product 2 b s d V; the embedding's lookup: none)."""
     b, s = x.shape[:2]
     if isinstance(layer, (TransformerLayer, ParallelTransformerLayer)):
-        return layer_flops(b, s, layer.ln1.normalized_shape[0], layer.mlp.fc1.out_features) / tp
+        d, f = layer.ln1.normalized_shape[0], layer.mlp.fc1.out_features
+        # QKV and output (8 b s d^2), scores and their use (4 b s^2 d), the MLP (4 b s d f): the
+        # planner's tp_cost.layer_flops (a test keeps the two equal; strategies sit below cost)
+        return (8 * b * s * d * d + 4 * b * s * s * d + 4 * b * s * d * f) / tp
     if isinstance(layer, Head):
         return 2 * b * s * layer.out.in_features * layer.out.out_features
     return 0.0
@@ -160,12 +163,12 @@ class ThreeDResult:
         return str(grid(dp * pp * tp, self.shape).tolist())
 
 
-def run_3d(model: nn.Sequential, shape: tuple[int, int, int], batches, lr: float = 3e-3,
+def run_3d(model: nn.Sequential, batches, dp: int = 2, tp: int = 2, pp: int = 2, lr: float = 3e-3,
            microbatches: int = 2, rate: float | None = None, warmup: int = 0, gather: bool = True,
            timeout: float = 120.0) -> ThreeDResult:
-    """Train ``model`` (a ``char_gpt``) on ``batches`` with dp x pp x tp = ``shape`` ranks; the caller's
-    model is not changed. ``rate``: simulate devices of that many FLOP/s (for timing)."""
-    batches = list(batches)
+    """Train ``model`` (a ``char_gpt``) on ``batches`` on dp x tp x pp ranks (grid (dp, pp, tp)); the
+    caller's model is not changed. ``rate``: simulate devices of that many FLOP/s (for timing)."""
+    batches, shape = list(batches), (dp, pp, tp)
     if not batches:
         raise ValueError("run_3d got no batches: give a list of (X, Y) pairs")
     check_3d(model, shape, len(batches[0][0]), microbatches)
@@ -188,3 +191,32 @@ def run_3d(model: nn.Sequential, shape: tuple[int, int, int], batches, lr: float
              for k in range(len(batches))]
     groups = [{"rank": i, "coords": r["coords"], **r["groups"]} for i, r in enumerate(results)]
     return ThreeDResult(tuple(shape), losses, state, groups, Timeline(spans), steps)
+
+
+def _layouts_worker(model, shapes, batches, microbatches, rate, warmup):
+    return [[(st["start"], st["end"]) for st in
+             _worker(model, shape, batches, 0.0, microbatches, rate, warmup, False)["steps"]]
+            for shape in shapes]
+
+
+def time_layouts(model: nn.Sequential, batches, layouts, microbatches: int = 4, rate: float = 2e9,
+                 warmup: int = 1, timeout: float = 300.0) -> list[float]:
+    """Seconds per step of each (dp, tp, pp) layout on simulated devices of ``rate`` FLOP/s, all in
+    one launch of 8 ranks (one Mesh per layout): per layout, the median over the steps of the slowest
+    rank's time from the barrier to the optimizer step."""
+    world = math.prod(layouts[0])
+    shapes = []
+    for dp, tp, pp in layouts:
+        if dp * tp * pp != world:
+            raise ValueError(f"layout dp {dp} x tp {tp} x pp {pp} is not {world} ranks: give layouts "
+                             f"of the same world size")
+        check_3d(model, (dp, pp, tp), len(batches[0][0]), microbatches)
+        shapes.append((dp, pp, tp))
+    results = launch(_layouts_worker, world, model, shapes, list(batches), microbatches, rate, warmup,
+                     timeout=timeout)
+    times = []
+    for k in range(len(shapes)):   # per step: the last rank's end minus the first rank's start
+        per_step = sorted(max(r[k][i][1] for r in results) - min(r[k][i][0] for r in results)
+                          for i in range(len(batches)))
+        times.append(per_step[len(per_step) // 2])
+    return times

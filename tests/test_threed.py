@@ -1,0 +1,99 @@
+"""3D parallelism: by hand and with torch's APIs equal to one device; the planner's memory equals the
+dry run; bad layouts are one sentence. Notebook 17 runs the 8-rank torch run and the timing check."""
+
+import pytest
+import torch
+
+from d2lpar.cost import planner as PL
+from d2lpar.examples import threed_torch
+from d2lpar.infra.text import CharCorpus, batches, make_text
+from d2lpar.processes.commands import REPO
+from d2lpar.strategies.memory.dry_run import GPT, GPTConfig, dry_run
+from d2lpar.strategies.threed.gpt import char_gpt, train_one_device
+from d2lpar.strategies.threed.hand import check_3d, run_3d
+from tests.torch_only import load_copy, run_in_ranks
+
+CORPUS = CharCorpus(make_text(20_000))
+
+
+def _moved_and_equal(state, reference, start):
+    for k, v in reference.items():
+        assert not torch.allclose(v, start[k], atol=1e-6), f"{k} did not move"
+        torch.testing.assert_close(state[k], v, rtol=1e-3, atol=2e-4, msg=k)
+
+
+@pytest.mark.parametrize("dp,tp,pp", [(2, 2, 2), (2, 1, 2)])
+def test_hand_built_3d_equals_one_device(dp, tp, pp):
+    B = batches(CORPUS.ids, 8, 16, 3)
+    model = char_gpt(CORPUS.vocab, 16, layers=2, d=32, heads=4)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    one = char_gpt(CORPUS.vocab, 16, layers=2, d=32, heads=4)
+    losses = train_one_device(one, B)
+    r = run_3d(model, B, dp=dp, tp=tp, pp=pp, microbatches=2)
+    assert r.losses == pytest.approx(losses, abs=1e-5)
+    _moved_and_equal(r.state, one.state_dict(), start)
+    assert torch.equal(model.state_dict()["0.tok.weight"], start["0.tok.weight"])   # caller's untouched
+
+
+def test_torch_3d_script_on_4_ranks_equals_its_one_process_run(tmp_path, monkeypatch):
+    script = REPO / "d2lpar" / "examples" / "threed_torch.py"
+    copy = load_copy(script, tmp_path, monkeypatch)
+    argv = ["--layers", "2", "--d", "32", "--heads", "4", "--seq", "16", "--batch-size", "8", "--steps", "3"]
+    one = copy["main"](argv)
+    torch.manual_seed(0)
+    start = copy["gpt"](one["state"]["0.tok.weight"].shape[0], 16, 2, 32, 4).state_dict()
+    ranks = run_in_ranks(tmp_path / script.name, 4, argv + ["--dp", "2", "--pp", "2"])
+    state = {}
+    for r in ranks:
+        state.update(r["state"])
+    assert next(r["losses"] for r in ranks if r["losses"]) == pytest.approx(one["losses"], abs=1e-5)
+    _moved_and_equal(state, one["state"], start)
+
+
+@pytest.mark.parametrize("shape,how", [((4,), "fsdp"), ((2, 2), "fsdp+tp")])
+def test_planner_memory_equals_the_dry_run(shape, how):
+    cfg = GPTConfig(layers=2, d=32, heads=4, hidden=128, vocab=256)
+    dp, tp = shape[0], (shape[1] if len(shape) > 1 else 1)
+    got = dry_run(lambda: GPT(cfg), shape, how, batch=2, seq=32).measured()
+    want = PL.memory(PL.Model("m", 2, 32, 4, 32, 256, 2 * dp, 128, "fp32"), PL.Layout(dp, tp, 1, zero=3))
+    for a, b in [("parameters", "sharded_param"), ("gradients", "sharded_grad"), ("activations", "act")]:
+        assert want[a] == pytest.approx(got[b], rel=1e-4), a
+    assert want["optimizer"] == pytest.approx(got["opt"], rel=2e-3)   # + AdamW's step counters
+
+
+def test_bad_layouts_are_one_sentence():
+    model = char_gpt(CORPUS.vocab, 16, layers=2, d=32, heads=4)
+    with pytest.raises(ValueError, match="tensor degree 3 does not divide heads=4"):
+        check_3d(model, (1, 1, 3), 8, 1)
+    with pytest.raises(ValueError, match="pipeline degree 5 is more than the model's 4 layers"):
+        check_3d(model, (1, 5, 1), 8, 1)
+    with pytest.raises(ValueError, match="global batch of 6 does not give each of dp=4 ranks"):
+        check_3d(model, (4, 1, 1), 6, 1)
+    with pytest.raises(threed_torch.Usage, match=r"--dp 2 x --tp 1 x --pp 1 = 2, but 1 process"):
+        threed_torch.main(["--dp", "2"])
+    with pytest.raises(ValueError, match="characters \\['#'\\] are not in the corpus"):
+        CORPUS.encode("a#")
+
+
+def test_the_planner_never_returns_a_layout_that_does_not_fit():
+    model = PL.Model("13B-like", 40, 5120, 40, 2048, 50257, 512)
+    for cluster in (PL.CLUSTERS["64 H100"], PL._cluster(32, 8, 40, 312e12, 230e9, 25e9, "32 A100-40GB")):
+        for p in PL.plan(model, cluster, top=20):
+            assert p.fits and p.peak_memory <= cluster.memory_gb * 1e9
+            PL.check_layout(model, cluster, p.layout)
+        for p in PL.by_degrees(model, cluster).values():
+            assert p.fits == (p.peak_memory <= cluster.memory_gb * 1e9)
+
+
+def test_the_text_is_the_same_everywhere():
+    assert make_text(500) == make_text(500) != make_text(500, seed=1)
+    X, Y = batches(CORPUS.ids, 4, 16, 1)[0]
+    assert X.shape == Y.shape == (4, 16) and torch.equal(X[:, 1:], Y[:, :-1])
+    assert CORPUS.decode(CORPUS.encode("the miller")) == "the miller"
+
+
+def test_the_simulated_devices_flops_are_the_planners():
+    from d2lpar.cost.tp_cost import layer_flops
+    from d2lpar.strategies.threed.hand import forward_flops
+    layer = char_gpt(CORPUS.vocab, 16, layers=1, d=32, heads=4)[1]
+    assert forward_flops(layer, 2, torch.zeros(3, 16, 32)) == layer_flops(3, 16, 32, 128) / 2

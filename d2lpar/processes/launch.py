@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import inspect
-import io
 import math
 import multiprocessing as mp
 import multiprocessing.connection
@@ -53,8 +52,6 @@ import os
 import signal
 import socket
 import time
-import types
-from collections import ChainMap
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -64,6 +61,7 @@ import torch
 from d2lpar.processes import rank as _rank
 from d2lpar.processes import ranklog
 from d2lpar.processes.commands import free_port, launcher_free_env
+from d2lpar.processes.pickling import dumps
 from d2lpar.processes.ranklog import LaunchError, LaunchTimeout, RankFailed
 
 __all__ = ["launch", "choose_backend", "LaunchError", "RankFailed", "LaunchTimeout"]
@@ -72,36 +70,6 @@ __all__ = ["launch", "choose_backend", "LaunchError", "RankFailed", "LaunchTimeo
 # ----------------------------------------------------------------------------------------- backend
 
 _said: set[tuple] = set()
-
-
-# ------------------------------------------------------------------------------ sending the worker
-
-_cloudpickle_code_reduce = getattr(getattr(cloudpickle, "cloudpickle", None), "_code_reduce", None)
-
-
-def _code_reduce_keeping_file(code: types.CodeType):
-    """cloudpickle's reducer for a code object, with the code's own file name kept.
-
-    cloudpickle 3.1.3 names every code object it sends ``<dynamic-code>`` (a deterministic payload);
-    a rank's traceback and its stack at a timeout would then say ``<dynamic-code> line 12`` instead of
-    the test, script or notebook cell where the worker was written.
-    """
-    make, args = _cloudpickle_code_reduce(code)
-    return make, tuple(code.co_filename if isinstance(a, str) and a == "<dynamic-code>" else a
-                       for a in args)
-
-
-class _Pickler(cloudpickle.Pickler):
-    if _cloudpickle_code_reduce is not None:
-        dispatch_table = ChainMap({types.CodeType: _code_reduce_keeping_file},
-                                  cloudpickle.Pickler.dispatch_table)
-
-
-def _dumps(obj) -> bytes:
-    """``cloudpickle.dumps(obj)``, with the file names of the functions it carries kept."""
-    buffer = io.BytesIO()
-    _Pickler(buffer).dump(obj)
-    return buffer.getvalue()
 
 
 def choose_backend(world_size: int, backend: str = "auto") -> tuple[str, str]:
@@ -266,7 +234,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         _said.add((chosen, reason))
         print(f"launch: backend {chosen} ({reason})")
     try:
-        payload = _dumps((fn, args, kwargs))
+        payload = dumps((fn, args, kwargs))
     except Exception as e:
         raise LaunchError(f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments to the "
                           f"ranks: {type(e).__name__}: {e}. Pass only picklable values (tensors, "

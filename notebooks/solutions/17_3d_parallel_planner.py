@@ -1,5 +1,6 @@
 """Worked solutions to the exercises of notebook 17 (3D parallelism and the planner)."""
 
+import functools
 import math
 
 from d2lpar.cost import planner as P
@@ -9,7 +10,7 @@ from d2lpar.infra.text import CharCorpus, batches, make_text
 from d2lpar.strategies.threed.gpt import char_gpt
 
 
-def _interleaved(plan, model, v):
+def _interleaved(plan, v):
     """A plan's step with v virtual stages per GPU: the bubble over v, v times the stage messages."""
     t = dict(plan.time)
     t["bubble"] = megatron_ratio(plan.layout.pp, plan.layout.micro, v) * t["compute"]
@@ -27,11 +28,19 @@ def _fastest(model, cluster, zeros, pipeline_only, interleave):
         options = [(p.step, 1)]
         per_stage = model.layers // lay.pp
         if interleave and lay.pp > 1 and lay.micro % lay.pp == 0:    # Megatron: m a multiple of p
-            options += [(_interleaved(p, model, v), v) for v in range(2, per_stage + 1) if per_stage % v == 0]
+            options += [(_interleaved(p, v), v) for v in range(2, per_stage + 1) if per_stage % v == 0]
         seconds, v = min(options)
         if found is None or seconds < found[0]:
             found = (seconds, lay, v)
     return found
+
+
+@functools.cache
+def _here():
+    """The notebook's small GPT (4 layers, 8 heads, so tp 8 divides) and this machine's fitted costs."""
+    corpus = CharCorpus(make_text())
+    gpt = char_gpt(corpus.vocab, 32, layers=4, d=64, heads=8)
+    return corpus, gpt, fit_here(gpt, 1e9, repeats=3)
 
 
 def exercise_1():
@@ -60,11 +69,9 @@ def exercise_2():
     """Before running: tensor degree 8 pays 4 all-reduces per layer and micro-batch over 8 ranks, on
     a model this small far more than the compute it splits, so the planner puts 1 x 8 x 1 last of
     the seven; measured against 8 x 1 x 1 it is slower too."""
-    corpus = CharCorpus(make_text())
-    gpt8 = char_gpt(corpus.vocab, 32, layers=4, d=64, heads=8)
+    corpus, gpt8, fit = _here()
     steps = batches(corpus.ids, 32, 32, 1, seed=1)
     layouts = [(8, 1, 1), (4, 2, 1), (2, 2, 2), (1, 2, 4), (2, 1, 4), (1, 4, 2), (1, 8, 1)]
-    fit = fit_here(gpt8, 1e9, repeats=3)
     model, cluster = here_model(gpt8, 32), fit.cluster(1e9)
     predicted = {lay: sum(P.step_time(model, cluster, P.Layout(*lay, zero=0, micro=4),
                                       dp_overlap=False).values()) for lay in layouts}
@@ -83,9 +90,7 @@ def exercise_3():
     """Buckets hide the reduction behind the backward pass: the saving is the smaller of the two, a few
     percent of these steps (compute dominates them). It is nothing with no data parallelism (dp 1:
     there is no reduction to hide)."""
-    corpus = CharCorpus(make_text())
-    gpt8 = char_gpt(corpus.vocab, 32, layers=8, d=64, heads=8)
-    fit = fit_here(gpt8, 1e9, repeats=3)
+    _, gpt8, fit = _here()
     here, cluster = here_model(gpt8, 32), fit.cluster(1e9)
     gpt3, a100 = P.MODELS["gpt3-175b"], P.CLUSTERS["1024 A100-80GB"]
     cases = [("here, 8 x 1 x 1", here, cluster, P.Layout(8, 1, 1, zero=0, micro=4)),
@@ -122,8 +127,8 @@ def exercise_4():
     assert (small.dp, small.tp, small.pp) == (8, 1, 1)
     assert large.dp > small.dp and large.tp == 2 and large.pp == 1
     cluster = P.CLUSTERS["64 H100"]
-    all_dp = min((p for p in (P.evaluate(model, cluster, lay) for lay in P.layouts(model, cluster))
-                  if p.fits and p.layout.dp == 64), key=lambda p: p.step)
+    all_dp = P.by_degrees(model, cluster)[(1, 1)]          # tp 1 x pp 1: dp 64
+    assert all_dp.fits and all_dp.layout.dp == 64
     print(f"the best dp 64: {P.describe(all_dp, model, cluster)}")
     assert all_dp.time["data"] > chosen["64 H100"].time["tensor"] > 0
     assert 1 < all_dp.step / chosen["64 H100"].step < 1.05

@@ -12,7 +12,18 @@ def test_overlap_verdict_reads_the_ratio():
     assert "50% of the shorter one hid" in overlap_verdict(0.14, 0.10, 0.08)
     assert hidden_fraction(0.10, 0.10, 0.08) == pytest.approx(1.0)
     assert overlap_verdict(0.07, 0.10, 0.08).startswith("below the limit (0.70x")
-    assert max(len(overlap_verdict(t, 0.1, 0.08, "all-reduce", "backward")) for t in (0.1, 0.14, 0.18)) < 100
+    assert max(len(line) for t in (0.1, 0.14, 0.18)
+               for line in overlap_verdict(t, 0.1, 0.08, "all-reduce", "backward").splitlines()) < 100
+
+
+def test_a_busy_machine_is_named_only_when_something_did_not_hide(monkeypatch):
+    import os
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (4.0, 4.0, 4.0))
+    assert "the machine was busy, load 4.0 on 2" in overlap_verdict(0.18, 0.10, 0.08)
+    assert "busy" not in overlap_verdict(0.105, 0.10, 0.08)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.5, 0.5, 0.5))
+    assert "busy" not in overlap_verdict(0.18, 0.10, 0.08)
 
 
 def test_compare_and_agreement_verdicts():

@@ -8,7 +8,10 @@ so that what the reader sees always agrees with the numbers above it. Each funct
   the limit is max(a, b) (perfect overlap), one after the other is a + b. The verdict reads the
   ratio r = overlapped / max(a, b) against that range, and the share of the shorter job that hid:
   hidden = (a + b - overlapped) / min(a, b). Below the limit (r < 1) no overlap explains it: the
-  cases were timed under different load, and the verdict says so.
+  cases were timed under different load, and the verdict says so. Where less than the whole of
+  the shorter job hid and the machine is busy (a one-minute load average above 0.75 per core), the
+  verdict adds that the machine was too busy to show the mechanism: a rank that waits for a core
+  cannot overlap anything.
 * ``compare_verdict(name_a, a, name_b, b)``: which of two times is shorter, and whether the
   difference is larger than the run-to-run spread given (default 5 %).
 * ``agreement_verdict(measured, predicted, tolerance)``: whether a measurement is within a stated
@@ -17,7 +20,7 @@ so that what the reader sees always agrees with the numbers above it. Each funct
 
 from __future__ import annotations
 
-__all__ = ["overlap_verdict", "hidden_fraction", "compare_verdict", "agreement_verdict"]
+__all__ = ["overlap_verdict", "hidden_fraction", "compare_verdict", "agreement_verdict", "busy_clause"]
 
 
 def hidden_fraction(overlapped: float, a: float, b: float) -> float:
@@ -34,14 +37,29 @@ def overlap_verdict(overlapped: float, a: float, b: float, what: str = "transfer
     """
     limit, serial = max(a, b), a + b
     ratio, hidden = overlapped / limit, hidden_fraction(overlapped, a, b)
-    figures = f"({ratio:.2f}x the limit, {serial / limit:.2f}x one after the other)"
+    figures = f"({ratio:.2f}x the limit; one after the other would be {serial / limit:.2f}x)"
     if ratio < 1 - close:   # less than the longer part alone: the runs did not see the same machine
         return f"below the limit {figures}: the cases ran under different load; time them again"
     if ratio <= 1 + close:
         return f"overlapped {figures}: the {what} hid behind the {behind}"
     if hidden <= 0.15:
-        return f"no overlap in this run {figures}: they did not run at once"
-    return f"partly overlapped {figures}: {hidden:.0%} of the shorter one hid"
+        return f"no overlap in this run {figures}: they did not run at once" + busy_clause()
+    return f"partly overlapped {figures}: {hidden:.0%} of the shorter one hid" + busy_clause()
+
+
+BUSY_PER_CORE = 0.75  # one-minute load average per core above which a timing shows the other programs
+
+
+def busy_clause() -> str:
+    """'' on a quiet machine; on a busy one, a clause saying the machine was too busy to show it."""
+    import os
+    if not hasattr(os, "getloadavg"):
+        return ""
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load <= BUSY_PER_CORE * cores:
+        return ""
+    return (f"\n  (the machine was busy, load {load:.1f} on {cores} CPU(s): ranks waited for cores;"
+            f" run it again when it is quiet)")
 
 
 def compare_verdict(name_a: str, a: float, name_b: str, b: float, spread: float = 0.05) -> str:

@@ -37,7 +37,7 @@ def overlap_verdict(overlapped: float, a: float, b: float, what: str = "transfer
     """
     limit, serial = max(a, b), a + b
     ratio, hidden = overlapped / limit, hidden_fraction(overlapped, a, b)
-    figures = f"({ratio:.2f}x the limit; {serial / limit:.2f}x if run one after the other)"
+    figures = f"({ratio:.2f}x the limit; in sequence {serial / limit:.2f}x)"
     if ratio < 1 - close:   # less than the longer part alone: the runs did not see the same machine
         return f"below the limit {figures}: the cases ran under different load; time them again"
     if ratio <= 1 + close:

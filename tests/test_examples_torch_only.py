@@ -144,3 +144,26 @@ def test_bad_input_is_one_sentence(tmp_path, monkeypatch, no_launcher):
     assert job.returncode == 1
     assert job.lines == [f"ddp_torch.py: error: cannot write to --out {tmp_path}/a_file/ckpt "
                          "(Not a directory): give a folder you can write"]
+
+
+def test_ddp_device_choice_with_faked_gpu_counts(tmp_path, monkeypatch):
+    """No GPU needed: the decision is a function of (local rank, processes on the node, GPUs seen)."""
+    ddp = load_copy(EXAMPLES / "ddp_torch.py", tmp_path, monkeypatch)
+    choose, Usage = ddp["choose_device"], ddp["Usage"]
+    cpu, cuda = torch.device("cpu"), lambda i: torch.device("cuda", i)
+    assert choose(3, 8, 0)[:2] == (cpu, "gloo")  # no CUDA: gloo on the CPU
+    assert "no CUDA GPU" in choose(3, 8, 0)[2]
+    assert choose(5, 8, 1)[:2] == (cuda(0), "nccl")  # srun --gpus-per-task=1: its one GPU is cuda:0
+    assert choose(5, 8, 8)[:2] == (cuda(5), "nccl")  # all 8 visible: cuda:LOCAL_RANK
+    assert choose(1, 2, 4)[:2] == (cuda(1), "nccl")  # more than enough
+    assert choose(0, 1, 1)[:2] == (cuda(0), "nccl")  # one process, one GPU
+    assert choose(5, 8, 8, cpu=True)[:2] == (cpu, "gloo")  # --cpu wins
+    with pytest.raises(Usage, match="sees 2 GPUs but 8 processes run on this node: .*--cpu"):
+        choose(5, 8, 2)
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    assert ddp["per_node"]() == 1
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "8(x2)")
+    assert ddp["per_node"]() == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert ddp["per_node"]() == 4

@@ -5,9 +5,19 @@ own data and model in ``make_data_and_model``. On CPUs (gloo) or a GPU per proce
 
     python ddp_torch.py --out ckpt                                    # one plain process
     torchrun --standalone --nproc-per-node=2 ddp_torch.py --out ckpt  # one node, 2 processes
-    torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST0:29400 \\
-        --rdzv-id=job42 --max-restarts=3 ddp_torch.py --out ckpt     # the same line on every node
-    MASTER_ADDR=HOST0 MASTER_PORT=29500 srun --ntasks-per-node=8 python ddp_torch.py --out ckpt
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=2 --nproc-per-node=8 \\
+        --rdzv-backend=c10d --rdzv-endpoint=HOST0:29400 --rdzv-id=job42 --max-restarts=3 \\
+        ddp_torch.py --out ckpt                                       # the same line on every node
+    MASTER_ADDR=HOST0 MASTER_PORT=29500 srun --ntasks-per-node=8 --gpus-per-task=1 \\
+        python ddp_torch.py --out ckpt                                # one task per GPU
+
+(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torch 2.14.1, restarted workers could otherwise read
+the dead workers' addresses from a shared store and fail or hang; pytorch/pytorch#135712.)
+
+The device (``choose_device``): a process that sees exactly one GPU uses cuda:0 (SLURM's
+``--gpus-per-task=1`` or ``CUDA_VISIBLE_DEVICES``); one that sees at least one GPU per process on
+its node uses cuda:LOCAL_RANK; one that sees some GPUs but fewer stops and says so; without CUDA,
+or with ``--cpu``, gloo on the CPU (rank 0 says which it chose).
 
 The path: environment -> set_device -> init_process_group -> DDP -> DistributedSampler with
 set_epoch -> rank 0 saves model.module -> barrier -> destroy_process_group. ``--batch-size`` is the
@@ -50,6 +60,33 @@ def who_am_i() -> tuple[int, int, int]:
     return int(env[names[0]]), int(env[names[1]]), int(env[names[2]])
 
 
+def per_node() -> int:
+    """Processes on this node: torchrun's LOCAL_WORLD_SIZE, else SLURM's tasks per node, else 1."""
+    env = os.environ
+    value = (env.get("LOCAL_WORLD_SIZE") or env.get("SLURM_NTASKS_PER_NODE")
+             or env.get("SLURM_TASKS_PER_NODE") or "1")  # SLURM_TASKS_PER_NODE reads like "8(x2)"
+    return int(value.split("(")[0].split(",")[0])
+
+
+def choose_device(local_rank: int, local_world: int, visible: int, cpu: bool = False
+                  ) -> tuple[torch.device, str, str]:
+    """(device, backend, why) for a process that sees ``visible`` GPUs, with ``local_world`` on
+    its node. Exactly one visible: cuda:0 (the GPU bound to this task); at least one per process:
+    cuda:local_rank; some but fewer: a Usage error (two ranks on one GPU is what NCCL refuses)."""
+    if cpu:
+        return torch.device("cpu"), "gloo", "--cpu given: gloo on the CPU"
+    if visible == 0:
+        return torch.device("cpu"), "gloo", "no CUDA GPU visible: gloo on the CPU"
+    if visible == 1:
+        return torch.device("cuda", 0), "nccl", "one GPU visible to this process: cuda:0, NCCL"
+    if visible >= local_world:
+        return (torch.device("cuda", local_rank), "nccl",
+                f"{visible} GPUs visible, {local_world} processes here: cuda:LOCAL_RANK, NCCL")
+    raise Usage(f"this process sees {visible} GPUs but {local_world} processes run on this node: "
+                f"bind one GPU per process (srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES), "
+                f"start at most {visible} per node, or pass --cpu")
+
+
 def make_data_and_model(n: int, seed: int) -> tuple[TensorDataset, nn.Module]:
     """n examples of 16 features, the class is the argmax of a fixed random map; a small MLP."""
     g = torch.Generator().manual_seed(seed)
@@ -66,6 +103,7 @@ def main(argv=None) -> None:
     p.add_argument("--batch-size", type=int, default=32, help="global batch, split over the ranks")
     p.add_argument("--examples", type=int, default=1024, help="size of the data set")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu", action="store_true", help="gloo on the CPU even where GPUs are visible")
     p.add_argument("--local-rank", "--local_rank", help=argparse.SUPPRESS)  # legacy: LOCAL_RANK
     args = p.parse_args(argv)
     rank, world, local_rank = who_am_i()
@@ -77,16 +115,17 @@ def main(argv=None) -> None:
         tempfile.TemporaryFile(dir=args.out).close()
     except OSError as e:
         raise Usage(f"cannot write to --out {args.out} ({e.strerror}): give a folder you can write")
-    per_node = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", 1)
-    if torch.cuda.device_count() >= int(per_node):  # a GPU of its own for every process here
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device, backend, why = choose_device(local_rank, per_node(), visible, args.cpu)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if rank == 0:
+        print(f"rank 0 of {world}: {why}", flush=True)
     if world > 1:  # rank and world_size go together; env:// reads MASTER_ADDR and MASTER_PORT
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=2))
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=2),
+                                device_id=device if device.type == "cuda" else None)  # binds the GPU
     try:
-        train(args, rank, world, local_rank, device)
+        train(args, rank, world, device)
         if world > 1:
             dist.barrier()  # all done before any rank closes its connections
     finally:  # also after an error, so that no rank waits for a dead group
@@ -95,7 +134,7 @@ def main(argv=None) -> None:
             dist.destroy_process_group()
 
 
-def train(args, rank: int, world: int, local_rank: int, device: torch.device) -> None:
+def train(args, rank: int, world: int, device: torch.device) -> None:
     data, net = make_data_and_model(args.examples, args.seed)
     net = net.to(device)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
@@ -106,7 +145,7 @@ def train(args, rank: int, world: int, local_rank: int, device: torch.device) ->
         optimizer.load_state_dict(state["optimizer"])
         start = state["epoch"] + 1
         print(f"rank {rank}: resumed after epoch {start} from {path}", flush=True)
-    ids = [local_rank] if device.type == "cuda" else None  # the one GPU of this process
+    ids = [device.index] if device.type == "cuda" else None  # the one GPU of this process
     model = DDP(net, device_ids=ids) if world > 1 else net  # DDP whenever world > 1, GPUs or not
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     loader = DataLoader(data, batch_size=args.batch_size // world, sampler=sampler)

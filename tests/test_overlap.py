@@ -142,3 +142,40 @@ def test_cuda_overlap_on_a_gpu():
     r = cuda_overlap("cuda", pieces=4, size=512, repeats=2)
     assert r.overlapped > 0 and len(r.timelines["compute while copying"]) == 8
     assert unsynchronized_readback("cuda")["complete after synchronize"]
+
+
+def test_measure_keeps_the_timeline_of_the_round_it_reports():
+    # round 2 of 3 is the fastest overlapped run: its time and its timeline are the ones kept
+    waits = iter([0.03, 0.001, 0.02])
+
+    def overlapped(tl):
+        w = next(waits)
+        with tl.span("lane", f"waited {w}"):
+            import time
+            time.sleep(w)
+
+    noop = lambda tl: None
+    r = overlap_module.measure("toy", noop, noop, noop, overlapped, repeats=3)
+    assert [s.label for s in r.timelines["overlapped"].spans] == ["waited 0.001"]
+    assert r.overlapped < 0.015
+
+
+def test_measure_under_a_group_draws_one_round_on_every_rank():
+    def worker():
+        import time
+        import torch.distributed as dist
+        rank = dist.get_rank()
+        # rank 0 is fastest in round 0, rank 1 in round 1; the slowest rank is fastest in round 2
+        waits = iter({0: [0.001, 0.05, 0.01], 1: [0.05, 0.001, 0.01]}[rank])
+
+        def overlapped(tl):
+            w = next(waits)
+            with tl.span("lane", f"round wait {w}"):
+                time.sleep(w)
+
+        noop = lambda tl: None
+        r = overlap_module.measure("toy", noop, noop, noop, overlapped, 3, before=dist.barrier)
+        return [s.label for s in r.timelines["overlapped"].spans], r.overlapped
+    out = launch(worker, 2, timeout=60)
+    assert [labels for labels, _ in out] == [["round wait 0.01"]] * 2
+    assert all(0.009 < t < 0.045 for _, t in out)

@@ -10,7 +10,8 @@ t_compute = t_transfer, 2 means none. Each experiment checks that the overlapped
 delivers exactly what the sequential one does: overlap may change *when*, never *what*.
 
 ``measure`` is the one harness every experiment uses: four cases (compute alone, transfer alone,
-one after the other, overlapped), timed in interleaved rounds, best of each kept.
+one after the other, overlapped), timed in interleaved rounds, the best round of each kept
+with its timeline.
 
 Four ways to get it:
 
@@ -107,15 +108,18 @@ def measure(name: str, compute: Run, transfer: Run, sequential: Run, overlapped:
 
     ``before`` runs ahead of every timed run (a barrier, a ``cuda.synchronize``) and again before
     the clock stops, so queued device work is counted; ``check`` runs after each overlapped run and
-    raises if it computed or delivered anything different. The timelines kept are those of the last
-    round, the same round on every rank, so spans drawn from several ranks belong together.
+    raises if it computed or delivered anything different. Each case reports its best round, and
+    its timeline is the one of that same round, so a chart shows the run its table reports. Under a
+    process group every rank must call ``measure`` (as a barrier in ``before`` requires anyway):
+    the ranks then agree on one round per case, the one whose slowest rank was fastest, and each
+    reports its own time in it, so spans drawn from several ranks belong together.
     """
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: time each case at least once")
     cases = {"compute": compute, "transfer": transfer, "sequential": sequential,
              "overlapped": overlapped}
-    best = {k: float("inf") for k in cases}
-    timelines: dict[str, Timeline] = {}
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    rounds: dict[str, list[Timeline]] = {"sequential": [], "overlapped": []}
     for _ in range(repeats):
         for key, run in cases.items():
             timeline = Timeline()
@@ -123,13 +127,25 @@ def measure(name: str, compute: Run, transfer: Run, sequential: Run, overlapped:
             t0 = time.perf_counter()
             run(timeline)
             before()
-            best[key] = min(best[key], time.perf_counter() - t0)
+            times[key].append(time.perf_counter() - t0)
             if key == "overlapped":
                 check()
-            if key in ("sequential", "overlapped"):
-                timelines[key] = timeline
-    return OverlapResult(name, best["compute"], best["transfer"], best["sequential"],
-                         best["overlapped"], timelines)
+            if key in rounds:
+                rounds[key].append(timeline)
+    pick = {k: _best_round(v) for k, v in times.items()}
+    return OverlapResult(name, *(times[k][pick[k]] for k in cases),
+                         {k: rounds[k][pick[k]] for k in rounds})
+
+
+def _best_round(times: list[float]) -> int:
+    """The round to report: the fastest; under a process group, the one whose slowest rank was
+    fastest (the same round on every rank)."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        slowest = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        times = slowest.tolist()
+    return min(range(len(times)), key=times.__getitem__)
 
 
 def _calibrate(x: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, target_s: float,

@@ -51,6 +51,13 @@ def test_pipeline_1f1b_keeps_fewer_activations_than_gpipe():
     assert sum(x.activations for x in f) < sum(x.activations for x in g)
 
 
+def test_channel_sends_an_all_gather_forward_and_a_reduce_scatter_backward():
+    batch, n = 64, 4
+    hidden = sum(SIZES[1:-1])
+    one_pass = 4 * batch * hidden * (n - 1) / n     # one ring pass over every hidden output
+    assert all(f.sent == int(2 * one_pass) for f in footprints(SIZES, batch, n, "channel"))
+
+
 def test_data_plus_model():
     parts = footprints(SIZES, 64, 4, "data+model", replicas=2)
     single = footprints(SIZES, 64, 1, "single")[0]

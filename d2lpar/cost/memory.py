@@ -20,8 +20,10 @@ saved tensors; the notebook checks it against the formula. ``footprints`` then s
 * pipeline: model parallelism with m micro-batches; same bytes, in m messages; GPipe keeps all
   micro-batches' activations, 1F1B at most n - i of them on stage i;
 * channel: every layer's output channels are split n ways (the two-GPU AlexNet), P/n each; every
-  device needs each layer's whole input, so outputs are all-gathered (forward) and input gradients
-  all-reduced (backward);
+  device needs each layer's whole input, so each hidden layer's output is all-gathered (forward);
+  backward, the gradient of that whole input is a partial sum on every device, and each device
+  needs only its own slice of it (the gradient of its own outputs one layer down): a
+  reduce-scatter, the backward of the all-gather. Per hidden width d: 2 (n-1)/n * 4 B d bytes;
 * data+model: d replicas of a k-stage model (n = d k).
 """
 
@@ -119,9 +121,11 @@ def footprints(sizes: tuple[int, ...], batch: int, n: int, strategy: str,
         out = []
         for i in range(n):
             p = sum((a * b + b) // n + (i < (a * b + b) % n) for a, b in zip(sizes[:-1], sizes[1:]))
+            # forward: all-gather each hidden output; backward: reduce-scatter its gradient
             gather = sum(ring_rank_bytes("all_gather", BYTES * batch * d, n) for d in sizes[1:-1])
-            reduce_grads = sum(ring_rank_formula(BYTES * batch * d, n) for d in sizes[1:-1])
-            out.append(fp(i, p, batch * sum(acts), gather + reduce_grads))
+            scatter = sum(ring_rank_bytes("reduce_scatter", BYTES * batch * d, n)
+                          for d in sizes[1:-1])
+            out.append(fp(i, p, batch * sum(acts), gather + scatter))
         return out
     d = replicas if strategy == "data+model" else 1
     if n % d:

@@ -82,3 +82,26 @@ def test_accumulation_check_fails_when_every_micro_batch_reduces():
         C.check_accumulation(broken, units=3)
     with pytest.raises(CheckFailed, match="once per unit"):
         C.check_accumulation(real, units=4)
+
+
+def _handed(bf16):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    net = model()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if bf16 else MixedPrecisionPolicy()
+    for layer in net[::2]:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(net, mp_policy=policy)
+    X, y = batches()[0]
+    with C.CollectiveDtypes() as comm:
+        nn.functional.cross_entropy(net(X), y).backward()
+    return comm.handed, {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
+
+
+def test_collective_dtypes_reads_the_wire_not_the_compute():
+    (fp32, counts), (bf16, _) = (launch(_handed, 2, b, timeout=90)[0] for b in (False, True))
+    assert counts["_allgather_base_"] == len(fp32["_allgather_base_"]) // 2  # (output, input) each
+    assert {d for d, _ in fp32["_allgather_base_"]} == {"float32"}
+    assert {d for d, _ in bf16["_allgather_base_"]} == {"bfloat16"}
+    assert sum(b for _, b in fp32["_allgather_base_"]) == 2 * sum(b for _, b in bf16["_allgather_base_"])
+    assert {d for d, _ in bf16["_reduce_scatter_base_"]} == {"float32"}  # reduce_dtype

@@ -216,3 +216,35 @@ def test_a_layer_left_out_of_a_step_is_not_stepped_as_torch_does(stage):
 
 def _train_state_sometimes(stage, data):
     return _train_state(_Sometimes(), stage, data, USED)
+
+
+# ------------------------------------- the bytes-held check fails on a stage 2 that keeps full gradients
+
+class _ForgetfulStage2(Z.ZeroAdamW):
+    """A planted bug: the reduce-scatter runs, but every full ``.grad`` is put back afterwards."""
+
+    def _reduce_unit(self, u):
+        kept = [p.grad for p in u.params]
+        super()._reduce_unit(u)
+        for p, g in zip(u.params, kept):
+            p.grad = g  # the line stage 2 exists to remove: full gradients stay alive
+
+
+def _held_after_training(forgetful):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    net = tricky_model()
+    opt = (_ForgetfulStage2 if forgetful else Z.ZeroAdamW)(net, 2, lr=1e-2)
+    for X, y in batches():
+        part = slice(rank * len(X) // n, (rank + 1) * len(X) // n)
+        nn.functional.cross_entropy(net(X[part]), y[part]).backward()
+        opt.step()
+    return opt.held(), opt.formula()
+
+
+def test_held_counts_full_gradients_a_stage_2_forgot_to_drop():
+    for good, f in launch(_held_after_training, 2, False, timeout=60):
+        assert good == {k: f[k] for k in ("params", "grads", "optimizer")}
+    for held, f in launch(_held_after_training, 2, True, timeout=60):
+        trainable = sum(p.numel() for p in tricky_model().parameters() if p.requires_grad)
+        assert held["grads"] == f["grads"] + 4 * trainable  # the shard + every full gradient
+        assert held != {k: f[k] for k in ("params", "grads", "optimizer")}

@@ -14,6 +14,10 @@
   per unit (``fully_shard``-ed module with parameters) on the last. ``check_accumulation`` asserts
   both from the collectives counted during each micro-batch (``CommDebugMode``, under our names:
   ``d2lpar.strategies.tensor.mappings.torch_counts``).
+* **The all-gathers move bf16.** ``CollectiveDtypes`` is a ``CommDebugMode`` that also records the
+  dtype and bytes of the tensors handed to each c10d collective (``_allgather_base_`` gets its output
+  and its input, ``_reduce_scatter_base_`` too), so a check reads what went on the wire, not the dtype
+  a layer computes in (an FSDP that all-gathered fp32 and cast afterwards would compute in bf16 too).
 """
 
 from __future__ import annotations
@@ -21,10 +25,28 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
+from torch.distributed.tensor.debug import CommDebugMode
 
 from d2lpar.infra.check import check
 
-__all__ = ["movement_error", "check_mixed_precision", "check_accumulation"]
+__all__ = ["movement_error", "check_mixed_precision", "check_accumulation", "CollectiveDtypes"]
+
+
+class CollectiveDtypes(CommDebugMode):
+    """``CommDebugMode`` that also records, for each c10d collective, what it was handed:
+    ``handed[op] = [(dtype, bytes), ...]`` for its tensor arguments, in order (output, input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.handed: dict[str, list[tuple[str, int]]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "namespace", "") == "c10d":
+            op = str(func._overloadpacket).split(".")[-1]
+            self.handed.setdefault(op, []).extend(
+                (str(t.dtype).replace("torch.", ""), t.numel() * t.element_size())
+                for t in args if isinstance(t, torch.Tensor))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def movement_error(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor],

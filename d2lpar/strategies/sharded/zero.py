@@ -121,14 +121,10 @@ class ZeroAdamW:
                 self._attach_grad_views(u)
             else:
                 u.shard.grad = torch.zeros_like(u.shard)
-            for i, p in enumerate(u.params):
-                p.register_post_accumulate_grad_hook(lambda p, u=u, i=i: self._grad_ready(u, i))
             # AdamW's tensors: the shard's piece of each parameter, views sharing its data and .grad
             u.segments = [(nn.Parameter(u.shard.detach()[a:b]), u.shard.grad[a:b], i)
                           for a, b, i in u.pieces()]
-            if stage == 3:
-                u.module.register_forward_pre_hook(lambda m, a, u=u: self._before_forward(u))
-                u.module.register_forward_hook(lambda m, a, out, u=u: self._after_forward(u, out))
+            self._register_hooks(u)
         self.opt = AdamW([seg for u in self.units for seg, _, _ in u.segments], lr=lr, betas=betas,
                          eps=eps, weight_decay=weight_decay)  # elementwise: it runs on pieces unchanged
 
@@ -168,6 +164,15 @@ class ZeroAdamW:
                         for p, o in zip(u.params, u.offsets)]
         for p, g in zip(u.params, u.grad_views):
             p.grad = g
+
+    def _register_hooks(self, u: FlatUnit) -> None:
+        """Every stage: a hook per parameter once autograd has accumulated its gradient.
+        Stage 3: gather before the unit's forward, free after it (and regather for backward)."""
+        for i, p in enumerate(u.params):
+            p.register_post_accumulate_grad_hook(lambda p, u=u, i=i: self._grad_ready(u, i))
+        if self.stage == 3:
+            u.module.register_forward_pre_hook(lambda m, a, u=u: self._before_forward(u))
+            u.module.register_forward_hook(lambda m, a, out, u=u: self._after_forward(u, out))
 
     # ------------------------------------------------------------------------- gather and free
 
@@ -332,12 +337,19 @@ class ZeroAdamW:
         return out
 
     def held(self) -> dict[str, int]:
-        """Bytes this rank keeps now, measured from its tensors (optimizer: its state tensors)."""
+        """Bytes this rank keeps now, measured from its tensors (optimizer: its state tensors).
+
+        Gradients: every storage behind a gradient, counted once: the flat gradient buffer (stage 1)
+        or the shards (2, 3), and the ``.grad`` of every trainable parameter, so a full gradient
+        left behind after the reduce-scatter (a stage 2 that forgot ``p.grad = None``) is counted.
+        """
         params = sum(u.full.untyped_storage().nbytes() for u in self.units)
         if self.stage == 3:
             params += sum(u.shard.nbytes for u in self.units)
-        grads = sum((u.grad_full if self.stage == 1 else u.shard.grad).nbytes for u in self.units)
-        return {"params": params, "grads": grads, "optimizer": self.opt.state_bytes()}
+        grads = [u.grad_full if self.stage == 1 else u.shard.grad for u in self.units]
+        grads += [p.grad for p in self.model.parameters() if p.requires_grad and p.grad is not None]
+        storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in grads}
+        return {"params": params, "grads": sum(storages.values()), "optimizer": self.opt.state_bytes()}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state, on every rank (a collective with stage 3: call it on all ranks)."""

@@ -1,15 +1,20 @@
-"""3D parallelism: by hand and with torch's APIs equal to one device; the planner's memory equals the
-dry run; bad layouts are one sentence. Notebook 17 runs the 8-rank torch run and the timing check."""
+"""3D parallelism: by hand and with torch's APIs equal to one device (the first step's gradients
+before the optimizer, then the weights); a planted gradient-scale bug fails that check; the planner's
+memory equals the dry run; bad layouts are one sentence. Notebook 17 runs the 8-rank torch run and
+the timing check."""
+
+import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from d2lpar.cost import planner as PL
 from d2lpar.examples import threed_torch
 from d2lpar.infra.text import CharCorpus, batches, make_text
 from d2lpar.processes.commands import REPO
 from d2lpar.strategies.memory.dry_run import GPT, GPTConfig, dry_run
-from d2lpar.strategies.threed.gpt import char_gpt, train_one_device
+from d2lpar.strategies.threed.gpt import char_gpt, first_gradients, train_one_device
 from d2lpar.strategies.threed.hand import check_3d, run_3d
 from tests.torch_only import load_copy, run_in_ranks
 
@@ -22,32 +27,96 @@ def _moved_and_equal(state, reference, start):
         torch.testing.assert_close(state[k], v, rtol=1e-3, atol=2e-4, msg=k)
 
 
+def _grads_equal(grads, reference):
+    assert grads.keys() == reference.keys()
+    for k, g in reference.items():
+        assert g.abs().max() > 0, f"{k}: a zero gradient would not test the scale"
+        torch.testing.assert_close(grads[k], g, rtol=1e-4, atol=1e-6, msg=k)
+
+
 @pytest.mark.parametrize("dp,tp,pp", [(2, 2, 2), (2, 1, 2)])
 def test_hand_built_3d_equals_one_device(dp, tp, pp):
     B = batches(CORPUS.ids, 8, 16, 3)
     model = char_gpt(CORPUS.vocab, 16, layers=2, d=32, heads=4)
     start = {k: v.clone() for k, v in model.state_dict().items()}
     one = char_gpt(CORPUS.vocab, 16, layers=2, d=32, heads=4)
+    grads = first_gradients(one, *B[0])
     losses = train_one_device(one, B)
     r = run_3d(model, B, dp=dp, tp=tp, pp=pp, microbatches=2)
     assert r.losses == pytest.approx(losses, abs=1e-5)
+    _grads_equal(r.grads, grads)
     _moved_and_equal(r.state, one.state_dict(), start)
     assert torch.equal(model.state_dict()["0.tok.weight"], start["0.tok.weight"])   # caller's untouched
 
 
-def test_torch_3d_script_on_4_ranks_equals_its_one_process_run(tmp_path, monkeypatch):
+def summed_not_averaged(module, group):
+    """The planted bug: the dp gradients summed, the division by the group's size forgotten."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
+    return flat.numel() * flat.element_size()
+
+
+def test_a_forgotten_dp_average_fails_the_gradient_check_but_not_adamws_weights():
+    import cloudpickle
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the ranks get the bug by value
+    B = batches(CORPUS.ids, 8, 16, 2)
+    one = char_gpt(CORPUS.vocab, 16, layers=2, d=32, heads=4)
+    grads = first_gradients(one, *B[0])
+    train_one_device(one, B)
+    r = run_3d(char_gpt(CORPUS.vocab, 16, layers=2, d=32, heads=4), B, dp=2, tp=2, pp=2,
+               microbatches=2, average=summed_not_averaged)
+    with pytest.raises(AssertionError):
+        _grads_equal(r.grads, grads)
+    torch.testing.assert_close(r.grads["1.mlp.fc1.weight"], 2 * grads["1.mlp.fc1.weight"],
+                               rtol=1e-4, atol=1e-6)
+    for k, v in one.state_dict().items():   # AdamW hides the factor 2: the weights still agree
+        torch.testing.assert_close(r.state[k], v, rtol=1e-3, atol=2e-4, msg=k)
+
+
+TORCH_ARGV = ["--layers", "2", "--d", "32", "--heads", "4", "--seq", "16", "--batch-size", "8",
+              "--steps", "3"]
+
+
+def _torch_ranks(tmp_path, monkeypatch, plant: tuple[str, str] | None = None):
+    """The script's one-process run, and its run on 4 ranks (dp 2 x pp 2) of a copy in which
+    ``plant`` (old text, new text) may plant a bug."""
     script = REPO / "d2lpar" / "examples" / "threed_torch.py"
     copy = load_copy(script, tmp_path, monkeypatch)
-    argv = ["--layers", "2", "--d", "32", "--heads", "4", "--seq", "16", "--batch-size", "8", "--steps", "3"]
-    one = copy["main"](argv)
-    torch.manual_seed(0)
-    start = copy["gpt"](one["state"]["0.tok.weight"].shape[0], 16, 2, 32, 4).state_dict()
-    ranks = run_in_ranks(tmp_path / script.name, 4, argv + ["--dp", "2", "--pp", "2"])
-    state = {}
+    one = copy["main"](TORCH_ARGV)
+    if plant:
+        text = (tmp_path / script.name).read_text()
+        assert plant[0] in text
+        (tmp_path / script.name).write_text(text.replace(*plant))
+    ranks = run_in_ranks(tmp_path / script.name, 4, TORCH_ARGV + ["--dp", "2", "--pp", "2"])
+    state, grads = {}, {}
     for r in ranks:
         state.update(r["state"])
+        grads.update(r["grads"])
+    return copy, one, ranks, state, grads
+
+
+def test_torch_3d_script_on_4_ranks_equals_its_one_process_run(tmp_path, monkeypatch):
+    copy, one, ranks, state, grads = _torch_ranks(tmp_path, monkeypatch)
+    torch.manual_seed(0)
+    start = copy["gpt"](one["state"]["0.tok.weight"].shape[0], 16, 2, 32, 4).state_dict()
     assert next(r["losses"] for r in ranks if r["losses"]) == pytest.approx(one["losses"], abs=1e-5)
+    _grads_equal(grads, one["grads"])
     _moved_and_equal(state, one["state"], start)
+
+
+def test_summed_micro_batch_losses_fail_the_torch_scripts_gradient_check(tmp_path, monkeypatch):
+    # the planted bug: the pipeline sums the micro-batches' losses instead of averaging them
+    plant = ("Schedule1F1B(pipe, a.microbatches, loss_fn=loss_fn)",
+             "Schedule1F1B(pipe, a.microbatches, loss_fn=loss_fn, scale_grads=False)")
+    _, one, ranks, state, grads = _torch_ranks(tmp_path, monkeypatch, plant)
+    assert next(r["losses"] for r in ranks if r["losses"]) == pytest.approx(one["losses"], abs=1e-5)
+    with pytest.raises(AssertionError):
+        _grads_equal(grads, one["grads"])
+    torch.testing.assert_close(grads["1.mlp.fc1.weight"], 2 * one["grads"]["1.mlp.fc1.weight"],
+                               rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("shape,how", [((4,), "fsdp"), ((2, 2), "fsdp+tp")])

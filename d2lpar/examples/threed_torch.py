@@ -7,7 +7,9 @@ ranks, one node's fast links). Rank (i, j, k) keeps pipeline stage j of the mode
 block's four linear layers are cut over tp (``parallelize_module``: QKV and fc1 by columns, the
 attention's output and fc2 by rows); ``fully_shard`` then shards each block, the embedding and the
 head over dp, which also averages their gradients (a reduce-scatter per unit). ``--batch-size`` is
-global: dp group i takes rows i B/dp .. (i+1) B/dp. Any layout ends with one process's weights.
+global: dp group i takes rows i B/dp .. (i+1) B/dp. Any layout ends with one process's weights, and
+its first step's gradients (before AdamW, whose update ignores a constant gradient scale) equal
+one process's.
 On CPUs (gloo) or a GPU per process (NCCL), as is:
 
     python threed_torch.py                                                  # one process
@@ -155,13 +157,15 @@ def parallelize(stage: nn.Sequential, mesh) -> nn.Sequential:
     return fully_shard(stage, mesh=mesh["dp"])
 
 
-def full_state(stage: nn.Module, lo: int) -> dict:
-    """The stage's parameters, whole (DTensors gathered), under the full model's names."""
+def full_state(stage: nn.Module, lo: int, grads: bool = False) -> dict:
+    """The stage's parameters (or their gradients), whole (DTensors gathered), under the full
+    model's names."""
     # gathering a (dp, tp)-sharded weight takes two all-gathers; torch logs a warning saying so
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     out = {}
     for name, p in stage.named_parameters():
-        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        t = p.grad if grads else p
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
         i, rest = name.split(".", 1)
         out[f"{lo + int(i)}.{rest}"] = t.detach().cpu().clone()
     return out
@@ -239,7 +243,7 @@ def train(a, rank: int, world: int, device: torch.device) -> dict:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
         pipe = PipelineStage(stage, stage_index, a.pp, device, group=mesh["pp"].get_group())
         schedule = Schedule1F1B(pipe, a.microbatches, loss_fn=loss_fn)   # grads of the batch's mean loss
-    per, losses, seconds = batches[0][0].shape[0] // a.dp, [], []
+    per, losses, seconds, grads = batches[0][0].shape[0] // a.dp, [], [], None
     for X, Y in batches:
         X, Y = X[row * per:(row + 1) * per].to(device), Y[row * per:(row + 1) * per].to(device)
         if world > 1:
@@ -258,8 +262,12 @@ def train(a, rank: int, world: int, device: torch.device) -> dict:
             losses.append(torch.stack(mb).mean().detach())
         else:
             schedule.step()
+        t1 = time.perf_counter()
+        if grads is None:   # the first step's gradients, before AdamW (which hides a constant scale)
+            grads = full_state(stage, lo, grads=True)
+        t2 = time.perf_counter()
         opt.step()
-        seconds.append(time.perf_counter() - t0)
+        seconds.append(time.perf_counter() - t0 - (t2 - t1))   # the gathering not counted
     last = stage_index == a.pp - 1
     if losses and a.dp > 1:   # the global batch's loss: the mean of the dp groups'
         losses = torch.stack(losses)
@@ -273,7 +281,7 @@ def train(a, rank: int, world: int, device: torch.device) -> dict:
         print(f"dp {a.dp} x tp {a.tp} x pp {a.pp} on {device}: losses "
               + " ".join(f"{float(v):.4f}" for v in losses), flush=True)
     return {"stage": stage_index, "losses": [float(v) for v in losses] if last else [], "state": state,
-            "seconds": seconds}
+            "grads": grads, "seconds": seconds}
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ from torch import nn
 
 from d2lpar.strategies.tensor.blocks import TransformerLayer
 
-__all__ = ["Embed", "Head", "char_gpt", "next_char_loss", "train_one_device", "gpt_sizes"]
+__all__ = ["Embed", "Head", "char_gpt", "next_char_loss", "train_one_device", "gpt_sizes",
+           "first_gradients"]
 
 
 class Embed(nn.Module):
@@ -65,14 +66,26 @@ def next_char_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def train_one_device(model: nn.Module, batches, lr: float = 3e-3) -> list[float]:
-    """AdamW on each (X, Y) in turn, in this process (the model is changed); the losses."""
+def train_one_device(model: nn.Module, batches, lr: float = 3e-3, every: int = 0) -> list[float]:
+    """AdamW on each (X, Y) in turn, in this process (the model is changed); the losses.
+    ``every``: print a progress line every that many steps."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
-    for X, Y in batches:
+    for i, (X, Y) in enumerate(batches, 1):
         loss = next_char_loss(model(X), Y)
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
+        if every and (i % every == 0 or i == len(batches)):
+            print(f"  step {i} of {len(batches)}: loss {losses[-1]:.3f}", flush=True)
     return losses
+
+
+def first_gradients(model: nn.Module, X: torch.Tensor, Y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The gradients of the batch's mean loss, before any optimizer step (the model is not changed)."""
+    model.zero_grad(set_to_none=True)
+    next_char_loss(model(X), Y).backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return grads

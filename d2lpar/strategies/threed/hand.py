@@ -13,6 +13,10 @@ groups, the lines of the grid through it. One training step, on every rank:
 4. **data again**: after the schedule, the gradients are averaged over the dp group in one flat
    all-reduce (notebook 05's rule: average, then step), and each rank steps AdamW on what it holds.
 
+The first step's gradients, averaged and before the optimizer, come back whole (``grads``): AdamW's
+update m / (sqrt(v) + eps) does not change when every gradient is scaled by the same factor, so
+equal weights after AdamW steps cannot tell a mean from a sum; equal gradients can.
+
 Each rank holds 1/(tp pp) of the model's transformer weights; every message is real. With
 ``rate``, each layer also waits its FLOPs / rate in forward and twice that in backward
 (``infra.device_time.Busy``): a simulated device, so that 8 ranks on 2 cores time as 8 devices would.
@@ -111,7 +115,16 @@ def average_gradients(module: nn.Module, group) -> int:
     return flat.numel() * flat.element_size()
 
 
-def _worker(model, shape, batches, lr, microbatches, rate, warmup, gather):
+def _rename(part: dict, lo: int, busy: bool) -> dict:
+    """Stage-local names -> the model's ("0.layer.x" under Busy -> "x")."""
+    out = {}
+    for k, v in part.items():
+        i, rest = k.split(".", 1)
+        out[f"{lo + int(i)}.{rest.removeprefix('layer.') if busy else rest}"] = v
+    return out
+
+
+def _worker(model, shape, batches, lr, microbatches, rate, warmup, gather, average=average_gradients):
     dp, pp, tp = shape
     mesh = Mesh((dp, pp, tp), ("dp", "pp", "tp"))
     di, pi, ti = mesh.coords
@@ -122,7 +135,8 @@ def _worker(model, shape, batches, lr, microbatches, rate, warmup, gather):
     per = len(batches[0][0]) // dp
     rows = [(X[di * per:(di + 1) * per], Y[di * per:(di + 1) * per]) for X, Y in batches]
     shapes = check_stages(full_stages, rows[0][0], microbatches)
-    losses, steps = [], []
+    lo, _ = split_layers(len(model), pp)[pi]
+    losses, steps, grads = [], [], None
     for step, (X, Y) in enumerate([rows[0]] * warmup + rows):
         opt.zero_grad(set_to_none=True)
         dist.barrier()   # every rank starts the step together
@@ -130,7 +144,9 @@ def _worker(model, shape, batches, lr, microbatches, rate, warmup, gather):
         with count_comms() as log:
             out = run_schedule(schedule, {pi: stage}, X, Y, next_char_loss, shapes, ranks=mesh.ranks("pp"))
         t1 = time.perf_counter()
-        sent = average_gradients(stage, mesh.group("dp"))
+        sent = average(stage, mesh.group("dp"))
+        if gather and step == warmup:   # the first step's averaged gradients, before AdamW sees them
+            grads = _rename(gather_full(stage, grads=True, group=mesh.group("tp")), lo, bool(rate))
         opt.step()
         t2 = time.perf_counter()
         if step >= warmup:
@@ -138,15 +154,12 @@ def _worker(model, shape, batches, lr, microbatches, rate, warmup, gather):
             steps.append({"spans": out["spans"], "comms": [(c.start, c.end) for c in log.comms],
                           "start": t0, "schedule_end": t1, "end": t2, "dp_bytes": sent})
     state = None
-    if gather:
-        part = gather_full(stage, group=mesh.group("tp"))   # a collective over tp
-        lo, _ = split_layers(len(model), pp)[pi]
-        state = {}
-        for k, v in part.items():   # stage-local names -> the model's ("0.layer.x" under Busy -> "x")
-            i, rest = k.split(".", 1)
-            state[f"{lo + int(i)}.{rest.removeprefix('layer.') if rate else rest}"] = v
+    if gather:   # a collective over tp
+        state = _rename(gather_full(stage, group=mesh.group("tp")), lo, bool(rate))
+    keep = di == 0 and ti == 0
     return {"coords": mesh.coords, "groups": {n: mesh.ranks(n) for n in ("dp", "pp", "tp")},
-            "losses": losses, "steps": steps, "state": state if di == 0 and ti == 0 else None}
+            "losses": losses, "steps": steps, "state": state if keep else None,
+            "grads": grads if keep else None}
 
 
 @dataclass
@@ -157,6 +170,7 @@ class ThreeDResult:
     groups: list[dict]               # per rank, its grid coordinates and the ranks of its three groups
     timeline: Timeline               # the last step: 1F1B actions and tensor-parallel all-reduces per rank
     step_times: list[float]          # per step, the slowest rank's seconds (barrier to optimizer step)
+    grads: dict[str, torch.Tensor] | None = None   # the first step's averaged gradients, before AdamW
 
     def grid_text(self) -> str:
         dp, pp, tp = self.shape
@@ -165,18 +179,20 @@ class ThreeDResult:
 
 def run_3d(model: nn.Sequential, batches, dp: int = 2, tp: int = 2, pp: int = 2, lr: float = 3e-3,
            microbatches: int = 2, rate: float | None = None, warmup: int = 0, gather: bool = True,
-           timeout: float = 120.0) -> ThreeDResult:
+           timeout: float = 120.0, average=average_gradients) -> ThreeDResult:
     """Train ``model`` (a ``char_gpt``) on ``batches`` on dp x tp x pp ranks (grid (dp, pp, tp)); the
-    caller's model is not changed. ``rate``: simulate devices of that many FLOP/s (for timing)."""
+    caller's model is not changed. ``rate``: simulate devices of that many FLOP/s (for timing).
+    ``average(module, group)``: how the dp gradients are combined (a planted bug can replace it)."""
     batches, shape = list(batches), (dp, pp, tp)
     if not batches:
         raise ValueError("run_3d got no batches: give a list of (X, Y) pairs")
     check_3d(model, shape, len(batches[0][0]), microbatches)
     results = launch(_worker, math.prod(shape), model, tuple(shape), batches, lr, microbatches, rate,
-                     warmup, gather, timeout=timeout)
-    state = {}
+                     warmup, gather, average, timeout=timeout)
+    state, grads = {}, {}
     for r in results:
         state.update(r["state"] or {})
+        grads.update(r["grads"] or {})
     last_pp = [r for r in results if r["coords"][1] == shape[1] - 1]
     dp = shape[0]
     losses = [sum(r["losses"][k] for r in last_pp if r["coords"][2] == 0) / dp
@@ -190,7 +206,7 @@ def run_3d(model: nn.Sequential, batches, dp: int = 2, tp: int = 2, pp: int = 2,
     steps = [max(r["steps"][k]["end"] for r in results) - min(r["steps"][k]["start"] for r in results)
              for k in range(len(batches))]
     groups = [{"rank": i, "coords": r["coords"], **r["groups"]} for i, r in enumerate(results)]
-    return ThreeDResult(tuple(shape), losses, state, groups, Timeline(spans), steps)
+    return ThreeDResult(tuple(shape), losses, state, groups, Timeline(spans), steps, grads or None)
 
 
 def _layouts_worker(model, shapes, batches, microbatches, rate, warmup):

@@ -4,7 +4,8 @@ ranks started by the course's launcher, as torchrun would start them.
 The script builds ``init_device_mesh(device, (dp, pp, tp))``, cuts each stage's blocks with
 ``parallelize_module``, shards every layer with ``fully_shard`` over dp and runs ``Schedule1F1B``
 over pp. ``run_torch_3d`` hands it the course's model and batches (``--state``: a file it reads) and
-returns the losses, the rebuilt state dict and the step times, to compare with one device and with
+returns the losses, the rebuilt state dict, the first step's gradients (before the optimizer) and
+the step times, to compare with one device and with
 ``hand.run_3d``.
 """
 
@@ -32,6 +33,7 @@ class TorchThreeD:
     losses: list[float]
     state: dict[str, torch.Tensor]
     step_times: list[float]   # per step, the slowest rank's seconds
+    grads: dict[str, torch.Tensor]   # the first step's gradients, whole, before the optimizer step
 
 
 def run_torch_3d(model, batches, dp: int = 2, tp: int = 2, pp: int = 2, microbatches: int = 2,
@@ -47,9 +49,10 @@ def run_torch_3d(model, batches, dp: int = 2, tp: int = 2, pp: int = 2, microbat
                          init_process_group=False, timeout=timeout)
     finally:
         os.remove(path)
-    state = {}
+    state, grads = {}, {}
     for r in results:
         state.update(r["state"])
+        grads.update(r["grads"])
     losses = next(r["losses"] for r in results if r["losses"])
     steps = [max(r["seconds"][k] for r in results) for k in range(len(results[0]["seconds"]))]
-    return TorchThreeD(losses, state, steps)
+    return TorchThreeD(losses, state, steps, grads)

@@ -1,9 +1,11 @@
 """Automatic parallelism: a dependency graph, its independent parts, and a list scheduler.
 
-A step of training is a graph of operations; an edge u -> v means v reads what u wrote. Two operations
-joined by no path are *independent*: they may run at the same time on different devices, or on a
-device and a copy link. A framework that records the graph (PyTorch does, for autograd) can run
-independent work concurrently without the user writing threads.
+A step of training is a graph of operations; an edge u -> v means v reads what u wrote. Two
+operations joined by no path are *independent*: they may run at the same time on different devices,
+or on a device and a copy link. MXNet's dependency engine runs operations from such a graph as soon as their
+inputs are ready; compilers (XLA with GSPMD, ``jax.jit`` with shardings, Alpa) also *place* them on
+devices. Eager PyTorch does neither: it runs operations in the order Python issues them, on the
+device the user put their inputs on. This module is the course's model of the automatic kind.
 
 * ``forward_graph(model, x)`` traces a model with ``torch.fx`` and costs each operation in FLOPs
   (2 * out * in for a linear layer, one per output element for element-wise operations).
@@ -12,11 +14,11 @@ independent work concurrently without the user writing threads.
   backward pass has produced it; the host sums and updates.
 * ``independent_parts(graph)`` removes the operations every path goes through and returns the
   connected pieces that are left: the parts that can run side by side.
-* ``list_schedule(graph, devices)`` orders operations by *upward rank* (the longest path from the
-  operation to the end), and puts each, once its inputs are ready, where it finishes first
-  (a fixed resource if it has one; else the device with the earliest finish, paying
-  bytes / bandwidth for inputs that live elsewhere). The makespan is at least
-  max(critical path, total work / devices).
+* ``list_schedule(graph, devices)`` repeatedly starts, among the operations whose inputs are
+  ready, the one that can start first, where it finishes first (a fixed resource if it has one;
+  else the device with the earliest finish, paying bytes / bandwidth for inputs that live
+  elsewhere). Ties in the start time go to the highest *upward rank* (the longest path from the
+  operation to the end). The makespan is at least max(critical path, total work / devices).
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ def data_parallel_graph(model: nn.Module, x: torch.Tensor, devices=("gpu0", "gpu
                         host: str = "cpu") -> Graph:
     """One data-parallel training step of ``model`` on batch ``x`` over a host and ``devices``."""
     n, g = len(devices), Graph()
-    g.add("load batch", resource=host, nbytes=x.numel() * x.element_size())
+    g.add("load batch", resource=host, nbytes=x.numel() * x.element_size(), label="load")
     shard = x[: max(1, len(x) // n)]
     grads: dict[str, list[str]] = {}
     for d in devices:
@@ -228,7 +230,7 @@ def list_schedule(graph: Graph, devices, speed: float | dict = 1e9, bandwidth: f
                 best = (dev, start, start + duration(op, dev))
         return best
 
-    while ready:  # start next whatever can start first; among equals, the highest upward rank
+    while ready:  # start whatever can start first; among equal starts, the highest upward rank
         options = {n: earliest(n) for n in ready}
         name = min(ready, key=lambda n: (options[n][1], -rank[n]))
         ready.remove(name)
@@ -243,16 +245,22 @@ def list_schedule(graph: Graph, devices, speed: float | dict = 1e9, bandwidth: f
     return timeline, where
 
 
-def draw_graph(graph: Graph, where: dict[str, str] | None = None, ax=None, figsize=(8, 3)):
-    """Draw the graph left to right by depth, one row and colour per device or link."""
+def draw_graph(graph: Graph, where: dict[str, str] | None = None, ax=None, figsize=(8, 3),
+               colors: dict[str, str] | None = None, names: bool = True):
+    """Draw the graph left to right by depth: one row per device or link, each operation coloured
+    by its ``label`` (forward, backward, copy, ...), circles for compute and squares for copies.
+
+    ``colors`` maps labels to colours; pass ``label_colors(s.label for s in timeline.spans)`` to use
+    the colours ``plot_timeline`` gives the same labels. ``names`` writes each operation's name.
+    """
     import matplotlib.pyplot as plt
     from d2lpar.infra.plot import label_colors
     depth: dict[str, int] = {}
     for op in graph.ops.values():
         depth[op.name] = max((depth[d] + 1 for d in op.deps), default=0)
     place = where or {n: op.resource or "?" for n, op in graph.ops.items()}
-    colors = label_colors(place[n] for n in graph.ops)
-    lanes = list(colors)  # one row per device or link, as on a timeline
+    lanes = list(dict.fromkeys(place[n] for n in graph.ops))  # one row per device or link
+    colors = dict(colors or label_colors(op.label for op in graph.ops.values()))
     taken: dict[tuple[int, int], int] = {}
     pos = {}
     for n in graph.ops:
@@ -266,12 +274,22 @@ def draw_graph(graph: Graph, where: dict[str, str] | None = None, ax=None, figsi
             ax.annotate("", pos[op.name], pos[d], arrowprops=dict(arrowstyle="->", lw=0.5,
                                                                    color="#888888"))
     for n, (px, py) in pos.items():
-        ax.scatter(px, py, s=60, color=colors[place[n]], zorder=3,
-                   marker="s" if graph.ops[n].kind == "copy" else "o")
-    ax.legend([plt.Line2D([], [], marker=m, ls="", color="#888888") for m in "os"],
-              ["compute", "copy"], loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False,
+        op = graph.ops[n]
+        ax.scatter(px, py, s=60, color=colors.get(op.label, "#BBBBBB"), zorder=3,
+                   marker="s" if op.kind == "copy" else "o")
+        if names:
+            ax.annotate(n, (px, py), xytext=(0, 6), textcoords="offset points", ha="center",
+                        fontsize=6, rotation=30)
+    used = list(dict.fromkeys(op.label for op in graph.ops.values()))
+    kinds = list(dict.fromkeys(op.kind for op in graph.ops.values()))
+    handles = [plt.Line2D([], [], marker="o", ls="", color=colors.get(lab, "#BBBBBB"))
+               for lab in used]
+    handles += [plt.Line2D([], [], marker="s" if k == "copy" else "o", ls="", mfc="none",
+                           color="#555555") for k in kinds]
+    ax.legend(handles, used + kinds, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False,
               fontsize="small")
     ax.set_xlabel("depth (longest chain of inputs)")
     ax.set_yticks([-i for i in range(len(lanes))], lanes, fontsize="small")
+    ax.margins(y=0.25)
     ax.figure.tight_layout()
     return ax

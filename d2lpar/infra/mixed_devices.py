@@ -8,9 +8,11 @@ ends when the slowest one is done:
 
 An even split b_i = B / n is paced by the slowest device. The split b_i = B s_i / sum(s) makes
 every device finish together, at t_step = B / sum(s), the most the devices can do. The speeds are
-measured (a timed slice on each device), not assumed. Each slice's loss is scaled by its share
-b_i / B, so the summed gradient is the whole batch's whatever the split: with uneven slices,
-scaling by 1/n instead would be wrong (with even ones the two agree, which hides the mistake).
+measured (a timed slice on each device), not assumed; on simulated devices the measurement reads
+back the waits they were configured with (plus the small real compute). Each slice's loss is
+scaled by its share b_i / B, so the summed gradient is the whole batch's whatever the split: with
+uneven slices, scaling by 1/n instead would be wrong (with even ones the two agree, which hides the
+mistake).
 
 A *simulated* device here is a ``DeviceQueue`` whose job computes the slice's gradient for real and
 then waits ``seconds_per_example * b_i`` (its device time, with the CPU free), so devices of any

@@ -2,7 +2,9 @@
 
 A GPU runs a queue: ``y = x @ x`` returns as soon as the kernel is *queued*. A timer that does not
 wait for the queue to drain measures the queueing, not the work. ``Timer`` and ``Benchmark`` here call
-``synchronize(device)`` before reading the clock (d2l's do not).
+``synchronize(device)`` before reading the clock (d2l's do not). That waits for *one* device: the
+one given, or with ``device=None`` only the current CUDA device. Work queued on a second GPU is not
+waited for: synchronize every device used (``synchronize(d) for d in devices``) before reading.
 
 A ``Timeline`` records spans ``(lane, label, start, end)``: one lane per device or rank. Spans use
 ``time.perf_counter()``, which on Linux and macOS reads the same monotonic clock in every process of
@@ -22,7 +24,11 @@ __all__ = ["load_line", "quiet_or_exit", "synchronize", "Timer", "Benchmark", "S
 
 
 def synchronize(device: torch.device | str | None = None) -> None:
-    """Wait until the device has finished its queued work (a no-op on the CPU)."""
+    """Wait until one device has finished its queued work (a no-op on the CPU).
+
+    ``device=None`` waits for the *current* CUDA device only (if CUDA was initialized); call it once
+    per device when work was queued on several.
+    """
     device = torch.device(device) if device is not None else None
     if device is None:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -34,7 +40,8 @@ def synchronize(device: torch.device | str | None = None) -> None:
 
 
 class Timer:
-    """Record several running times; ``stop`` synchronizes the device first."""
+    """Record several running times; ``start`` and ``stop`` synchronize ``device`` (one device;
+    with ``None`` the current CUDA device) before reading the clock."""
 
     def __init__(self, device: torch.device | str | None = None):
         self.device = device
@@ -61,7 +68,11 @@ class Timer:
 
 
 class Benchmark:
-    """``with Benchmark('name', device):`` prints ``name: 0.1234 sec``; the time is in ``.elapsed``."""
+    """``with Benchmark('name', device):`` prints ``name: 0.1234 sec``; the time is in ``.elapsed``.
+
+    It synchronizes ``device`` on entry and exit: one device (with ``None``, the current CUDA
+    device). Work queued on other GPUs inside the block is not waited for.
+    """
 
     def __init__(self, description: str = "Done", device: torch.device | str | None = None,
                  verbose: bool = True):

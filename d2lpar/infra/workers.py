@@ -1,13 +1,15 @@
-"""A simulated device that really runs in parallel: a worker thread with one core and a queue.
+"""A worker device: a thread with one torch thread and a queue, the course's model of a device.
 
 A GPU is a queue. ``y = x @ x`` on ``cuda:0`` puts a kernel in the device's queue (its stream) and
 returns at once; the GPU works through the queue while Python goes on, and ``synchronize`` waits until
 the queue is empty. Two GPUs have two queues, so work given to both runs at the same time with no
 extra code: t(both) ~ max(t_0, t_1) instead of t_0 + t_1.
 
-On a CPU-only machine ``DeviceQueue`` plays that part. Each queue owns one worker thread that runs one
-torch thread (``torch.set_num_threads(1)``), so k queues on a machine with k cores are k devices
-that compute at the same time for real (PyTorch releases Python's GIL inside its operators).
+On the CPU, PyTorch's operators are synchronous: each one has finished when it returns to the
+calling thread. On a CPU-only machine ``DeviceQueue`` plays the GPU's part (a Python thread fed by a
+``queue.Queue``; the queue is the course's, not PyTorch's). Each queue owns one worker thread that
+runs one torch thread (``torch.set_num_threads(1)``), so k queues on a machine with k cores are k
+devices that compute at the same time for real (PyTorch releases Python's GIL inside its operators).
 ``submit(fn, *args)`` returns a ``Future`` at once, like a kernel launch; ``synchronize()`` waits for
 the queue to drain, like ``torch.cuda.synchronize(device)``; every job is recorded as a span on a
 ``Timeline`` lane named after the queue.
@@ -60,7 +62,10 @@ _STOP = object()
 
 
 class DeviceQueue:
-    """A simulated device: a worker thread with one torch thread, fed through a queue.
+    """A worker device: a thread with one torch thread, fed through a queue (a model of a stream).
+
+    The jobs it runs are real compute, or a calibrated wait standing in for device compute (the
+    course calls a device whose jobs are such waits a *simulated* device).
 
     ``core`` pins the worker to one CPU core where the OS allows it (Linux); ``timeline`` (shared by
     several queues) receives one span per job, labelled with ``label`` or the function's name.

@@ -63,7 +63,34 @@ def test_device_zero_holds_most_and_balancing_helps():
     assert g < 8 and max(r["total"] for r in balanced) < even[0]["total"]
 
 
-def test_traffic_dataparallel_exceeds_ddp():
-    t = ndp.traffic_per_step(4_000_000, 4, 1_000_000, 10_000)
-    assert t["DDP"] == 2 * 3 * 4_000_000 // 4
-    assert t["DataParallel"] > 4 * t["DDP"]
+def test_traffic_counts_both_directions_the_same_way():
+    P, k, X, Y = 4_000_000, 4, 1_000_000, 10_000
+    t = ndp.traffic_per_step(P, k, X, Y)
+    ring = 2 * 3 * P // 4
+    assert t["DDP"] == {"every device": (ring, ring)}
+    s = 3 * X // 4, 3 * Y // 4
+    assert t["DataParallel"]["device 0"] == (P + s[0] + s[1], P + s[1])       # NCCL: P each way
+    assert t["DataParallel"]["another device"] == (2 * P + Y // 4, 2 * P + X // 4 + Y // 4)
+    slow = ndp.traffic_per_step(P, k, X, Y, nccl=False)
+    assert slow["DataParallel"]["device 0"] == (3 * P + s[0] + s[1], 3 * P + s[1])
+    host = ndp.traffic_per_step(P, k, X, Y, inputs_from_host=True)
+    assert host["DataParallel"]["device 0"] == (P + s[1], P + s[1] + X // 4)
+    assert ndp.busiest(t["DataParallel"]) == 2 * P + X // 4 + Y // 4   # a relay in the chain
+    assert ndp.busiest(t["DDP"]) == ring
+    two = ndp.traffic_per_step(P, 2, X, Y)["DataParallel"]["another device"]
+    assert two == (P + Y // 2, P + X // 2 + Y // 2)                           # end of the chain
+
+
+def test_simulated_counts_match_the_no_nccl_formula():
+    net = lenet(seed=0)
+    devices = [torch.device("cpu", i) for i in range(4)]
+    wrapped = ndp.SimulatedDataParallel(net, devices)
+    X = torch.rand(16, 1, 28, 28)
+    out = wrapped(X)
+    P = 4 * sum(p.numel() for p in net.parameters())
+    t = ndp.traffic_per_step(P, 4, X.numel() * 4, out.numel() * 4, nccl=False)
+    assert wrapped.moved["replicate"] == 3 * P
+    assert wrapped.moved["scatter"] == 3 * X.numel() * 4 // 4
+    assert wrapped.moved["gather"] == 3 * out.numel() * 4 // 4
+    sent = t["DataParallel"]["device 0"][0]
+    assert sent == wrapped.moved["replicate"] + wrapped.moved["scatter"] + wrapped.moved["gather"]

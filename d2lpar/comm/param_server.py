@@ -1,11 +1,13 @@
 """A parameter server: a synchronous key-value store with ``push`` and ``pull``, over messages.
 
 Every worker **pushes** its value of a key to the key's server, which sums what arrives; then every
-worker **pulls** the sum back. That is an all-reduce. With one server (rank 0, which also works, as
-GPU 0 is the reducer in ``nn.DataParallel``) the N-1 other ranks each send K bytes in and get K back:
+worker **pulls** the sum back. That is an all-reduce. With one server (rank 0, which also works) the
+N-1 other ranks each send K bytes in and get K back:
 **2(N-1)K bytes go through the server**, a load that grows with N. Sharding the keys over S servers
 divides it; with S = N each rank sends and receives 2(N-1)K/N bytes, as in a ring, but every pair of
-ranks talks. ``ps_bytes`` gives the exact counts for any size; ``ps_server_formula`` the formula.
+ranks talks. (``nn.DataParallel`` is *not* this server on CUDA builds: it reduces onto GPU 0 with
+NCCL's reduce, a chain in which GPU 0 receives K once; the one-server load is its fallback without
+NCCL.) ``ps_bytes`` gives the exact counts for any size; ``ps_server_formula`` the formula.
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ __all__ = ["ParameterServer", "ps_all_reduce", "ps_bytes", "ps_server_formula"]
 class ParameterServer:
     """A synchronous key-value store over point-to-point messages.
 
-    Ranks 0 .. servers-1 are servers (and also workers, like GPU 0 as the reducer in
-    ``nn.DataParallel``); every rank calls ``push`` and ``pull`` with the same keys. Keys are placed
+    Ranks 0 .. servers-1 are servers (and also workers); every rank calls ``push`` and ``pull`` with the same keys. Keys are placed
     on servers greedily by size, the same on every rank. ``push`` sends each value to its key's
     server, which keeps the sum; ``pull`` copies the sums back into every rank's tensors.
     """

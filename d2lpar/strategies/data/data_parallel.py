@@ -18,7 +18,7 @@ averages k times more examples, and the learning rate is usually raised with it 
 
 **Gradient accumulation**: the global batch is processed in ``accumulation`` micro-batches whose
 gradients add up before one update; with losses divided by the global B it is still the same step.
-**Balanced split** (the seeds' ``BalancedDataParallel``): device 0 gets a smaller share
+**Balanced split** (the source notes' ``BalancedDataParallel``): device 0 gets a smaller share
 ``gpu0_bsz`` (it also gathers outputs and holds the reduced gradients), the others share the rest.
 **Proportional split**: ``weights`` proportional to each device's speed, for mixed GPUs.
 """
@@ -51,8 +51,10 @@ def gather(outputs: Sequence[torch.Tensor | None], device: torch.device) -> torc
 def allreduce_grads(replicas: Sequence[nn.Module]) -> int:
     """Sum every parameter's gradient over the replicas and give each replica the sum.
 
-    Done as ``nn.DataParallel`` does it: reduce onto device 0, then copy back (the one-device
-    strategy of notebook 04). Returns the bytes copied: 2(k-1)K for K bytes of gradients.
+    The simplest all-reduce, notebook 04's one-device strategy: sum onto device 0, then copy the sum
+    back to every replica. Returns the bytes copied: 2(k-1)K for K bytes of gradients.
+    (``nn.DataParallel`` differs: it reduces onto device 0 and never copies gradients back; the
+    next forward re-broadcasts the updated parameters instead.)
     """
     params = [list(r.parameters()) for r in replicas]
     moved = 0

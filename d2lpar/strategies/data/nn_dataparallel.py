@@ -9,7 +9,9 @@ Every forward of ``nn.DataParallel(module, device_ids, output_device)``:
 4. **gather** the outputs on ``output_device`` (default ``device_ids[0]``).
 
 Backward runs these in reverse, so the replicas' gradients are *summed onto device_ids[0]*, the
-only copy the optimizer updates. On a machine without a GPU ``nn.DataParallel`` just calls the
+only copy the optimizer updates. On GPUs the replicate is ``comm.broadcast_coalesced`` and the sum
+``comm.reduce_add`` (NCCL broadcast and reduce when NCCL is there, a loop of copies otherwise);
+``traffic_per_step`` counts the bytes both ways. ``moved`` counts the forward's bytes on the tensors. On a machine without a GPU ``nn.DataParallel`` just calls the
 module. ``SimulatedDataParallel`` takes the same four steps on any devices, simulated CPU devices
 included, so they can be watched; its gradients flow back to the one original module exactly as
 ``nn.DataParallel``'s do.
@@ -39,7 +41,8 @@ from d2lpar.strategies.data.data_parallel import balanced_sizes, gather
 from d2lpar.infra.activations import saved_activation_bytes
 
 __all__ = ["SimulatedDataParallel", "BalancedDataParallel", "strip_module_prefix", "unwrap",
-           "model_bytes", "memory_per_device", "best_gpu0_bsz", "traffic_per_step"]
+           "model_bytes", "memory_per_device", "best_gpu0_bsz", "traffic_per_step",
+           "busiest"]
 
 
 def strip_module_prefix(state_dict: dict) -> dict:
@@ -69,6 +72,7 @@ class SimulatedDataParallel(nn.Module):
         self.output_device = output_device if output_device is not None else self.devices[0]
         self.gpu0_bsz, self.weights = gpu0_bsz, weights
         self.trace: list[str] = []
+        self.moved: dict[str, int] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, t = len(self.devices), []
@@ -91,14 +95,21 @@ class SimulatedDataParallel(nn.Module):
             f"{d}: {tuple(o.shape) if o is not None else '-'}" for d, o in zip(self.devices, outs)))
         # 4. gather
         y = gather(outs, self.output_device)
+        # bytes that left device 0 (replicate; scatter of a batch that sits on device 0) and that
+        # reached the output device (gather), counted on the tensors themselves
+        self.moved = {"replicate": sum(v.numel() * v.element_size() for c in copies[1:]
+                                       for v in c.values()),
+                      "scatter": sum(c.numel() * c.element_size() for c in xs[1:]),
+                      "gather": sum(o.numel() * o.element_size() for d, o in zip(self.devices, outs)
+                                    if o is not None and d != self.output_device)}
         t.append(f"gather         outputs {tuple(y.shape)} on {self.output_device}")
         self.trace = t
         return y
 
 
 class BalancedDataParallel(nn.DataParallel):
-    """``nn.DataParallel`` that gives GPU 0 only ``gpu0_bsz`` examples of each batch (the seeds'
-    class, rewritten): ``BalancedDataParallel(gpu0_bsz // acc_grad, net, device_ids=...)``.
+    """``nn.DataParallel`` that gives GPU 0 only ``gpu0_bsz`` examples of each batch (the source
+    notes' class, rewritten): ``BalancedDataParallel(gpu0_bsz // acc_grad, net, device_ids=...)``.
 
     With a batch of 8 on 3 GPUs and gpu0_bsz=2 the chunks are 2, 3, 3. Without GPUs it behaves as
     ``nn.DataParallel`` does there: it calls the module.
@@ -154,13 +165,47 @@ def best_gpu0_bsz(batch: int, n: int, P: int, a: int, o: int, optimizer_slots: i
     return min(range(1, batch - n + 2), key=lambda g: (peak(g), -g))
 
 
-def traffic_per_step(param_bytes: int, k: int, input_bytes: int, output_bytes: int) -> dict:
-    """Bytes through device 0's link per step: ``nn.DataParallel`` against DDP (ring, per device).
+def traffic_per_step(param_bytes: int, k: int, input_bytes: int, output_bytes: int,
+                     nccl: bool = True, inputs_from_host: bool = False) -> dict:
+    """Bytes each device sends and receives per training step: ``nn.DataParallel`` against DDP.
 
-    DataParallel copies the parameters out (k-1)P, the inputs out and the outputs in (the parts
-    that belong to the other k-1 devices) and sums the gradients in (k-1)P, every step; DDP moves
-    only the ring all-reduce's 2(k-1)P/k per device, overlapped with the backward pass.
+    Returns ``{"DataParallel": {"device 0": (sent, received), "another device": (sent, received)},
+    "DDP": {"every device": (sent, received)}}``, both directions counted the same way for both.
+    P parameter bytes, k devices, X input and Y output bytes of the whole batch; s = (k-1)/k.
+
+    DataParallel, every step: replicate broadcasts P from device 0; scatter sends the other devices
+    their inputs (s X from device 0, or X/k to each device from the host when the batch is still on
+    the CPU); gather brings s Y of outputs to device 0, and backward sends their gradients (s Y)
+    back out; the replicas' gradients are reduced onto device 0.
+
+    * ``nccl=True`` (every CUDA build): the broadcast and the reduce are NCCL collectives
+      (``comm.broadcast_coalesced``, ``nccl.reduce`` in ``comm.reduce_add``), which pass the data
+      along a chain of devices: device 0 sends P (broadcast) and receives P (reduce); a device in
+      the middle of the chain receives and sends P in each (2P each way; P with k = 2).
+    * ``nccl=False`` (the fallback without NCCL, and the course's simulated devices): device 0
+      copies P to each of the k-1 others and receives k-1 gradients: (k-1)P each way.
+
+    DDP: each process loads its own inputs and computes its own loss; the ring all-reduce sends and
+    receives 2(k-1)P/k on every device (the once-per-forward buffer broadcast is left out).
     """
-    share = (k - 1) / k
-    return {"DataParallel": int(2 * (k - 1) * param_bytes + share * (input_bytes + output_bytes)),
-            "DDP": int(2 * (k - 1) * param_bytes / k)}
+    P, X, Y = param_bytes, input_bytes, output_bytes
+    out_x = 0 if inputs_from_host else X * (k - 1) // k   # inputs device 0 sends to the others
+    out_y = Y * (k - 1) // k                              # outputs gathered, their gradients back
+    own_x = X // k                                        # what another device receives of X
+    if k == 1:
+        dp0, other = (0, X if inputs_from_host else 0), (0, 0)
+    elif nccl:
+        chain = 2 * P if k >= 3 else P                    # broadcast relay + reduce relay
+        dp0 = (P + out_x + out_y, P + out_y + (own_x if inputs_from_host else 0))
+        other = (chain + Y // k, chain + own_x + Y // k)
+    else:
+        dp0 = ((k - 1) * P + out_x + out_y, (k - 1) * P + out_y + (own_x if inputs_from_host else 0))
+        other = (P + Y // k, P + own_x + Y // k)
+    ring = 2 * (k - 1) * P // k
+    return {"DataParallel": {"device 0": dp0, "another device": other},
+            "DDP": {"every device": (ring, ring)}}
+
+
+def busiest(traffic: dict) -> int:
+    """The most bytes any device moves in one direction (a link's busier direction sets its time)."""
+    return max(max(pair) for pair in traffic.values())

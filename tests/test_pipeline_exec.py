@@ -173,3 +173,23 @@ def test_a_shorter_last_batch_and_a_stage_without_parameters_equal_one_process()
     for a, b in zip(got, ref.parameters()):
         torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-7)
     assert stages[1] is ref[1]
+
+
+def test_split_balanced_cuts_by_parameters_after_layers_with_parameters():
+    from d2lpar.strategies.pipeline.executor import split_balanced
+    torch.manual_seed(0)
+    layers = [nn.Flatten(), nn.Linear(784, 512)]
+    for _ in range(6):
+        layers += [nn.ReLU(), nn.Linear(512, 512)]
+    model = nn.Sequential(*layers, nn.ReLU(), nn.Linear(512, 10))
+    stages = split_balanced(model, 4)
+    assert [len(s) for s in stages] == [2, 4, 4, 6]        # [Flatten L0] [RL RL] [RL RL] [RL RL RL]
+    assert sum(len(s) for s in stages) == len(model)
+    params = [sum(q.numel() for q in s.parameters()) for s in stages]
+    by_count = [sum(q.numel() for q in s.parameters()) for s in split_model(model, 4)]
+    assert max(params) < max(by_count) and min(params) > min(by_count)
+    x = torch.randn(3, 1, 28, 28)
+    out = x
+    for s in stages:
+        out = s(out)
+    assert torch.equal(out, model(x))

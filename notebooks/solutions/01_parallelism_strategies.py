@@ -15,7 +15,7 @@ from d2lpar.infra.data import load_digits
 from d2lpar.infra.models import count_parameters, lenet, mlp
 from d2lpar.infra.workers import torch_threads
 
-BIG, BATCH, N, MB = (784, 2048, 2048, 2048, 10), 2048, 4, 2 ** 20
+BIG, BATCH, N, MiB = (784, 2048, 2048, 2048, 10), 2048, 4, 2 ** 20
 
 
 def exercise_1():
@@ -26,7 +26,7 @@ def exercise_1():
         n = 1 if s == "single" else N
         adam, sgd = footprints(BIG, BATCH, n, s, "adam"), footprints(BIG, BATCH, n, s, "sgd")
         change[s] = max(a.total - b.total for a, b in zip(adam, sgd))
-        print(f"{s:<15} largest per-device saving with SGD: {change[s] / MB:6.1f} MB")
+        print(f"{s:<15} largest per-device saving with SGD: {change[s] / MiB:6.1f} MiB")
     P = count_parameters(mlp(BIG, seed=None))
     assert change["data"] == change["single"] == 8 * P == max(change.values())
     assert all(change[s] < change["data"] for s in ("model", "channel", "pipeline-gpipe"))

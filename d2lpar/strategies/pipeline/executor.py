@@ -47,7 +47,7 @@ from d2lpar.processes.launch import launch
 from d2lpar.strategies.pipeline.schedules import Schedule, ScheduleError, split_layers, validate
 from d2lpar.strategies.pipeline.simulator import action_overhead, idle_fractions, message_latency
 
-__all__ = ["split_model", "check_stages", "run_schedule", "run_pipeline", "PipelineResult",
+__all__ = ["split_model", "split_balanced", "check_stages", "run_schedule", "run_pipeline", "PipelineResult",
            "idle_fractions", "message_latency", "action_overhead"]
 
 
@@ -59,6 +59,51 @@ def split_model(model: nn.Sequential, stages: int) -> list[nn.Sequential]:
                         f"of its layers, or cut it yourself into a list of stages")
     layers = list(model)
     return [nn.Sequential(*layers[a:b]) for a, b in split_layers(len(layers), stages)]
+
+
+def split_balanced(model: nn.Sequential, stages: int) -> list[nn.Sequential]:
+    """Cut a Sequential into ``stages`` consecutive parts of near-equal *parameter* counts.
+
+    ``split_model`` counts modules, so a wide first layer or a narrow last one makes the stages
+    unequal. For Linear layers the multiply-adds per sample equal the weights, so balancing the
+    parameters balances the compute. Each cut falls right after a layer with parameters (the
+    parameter-free modules before a layer, a ReLU or a Flatten, go with it); among the cuts the
+    one whose largest stage is smallest is taken.
+    """
+    layers = list(model)
+    units, current = [], []                 # a unit: parameter-free modules, then one with params
+    for layer in layers:
+        current.append(layer)
+        if any(True for _ in layer.parameters()):
+            units.append(current)
+            current = []
+    if current:                             # trailing parameter-free modules join the last unit
+        if units:
+            units[-1] += current
+        else:
+            units.append(current)
+    if not 1 <= stages <= len(units):
+        raise ScheduleError(f"cannot cut {len(units)} layers with parameters into {stages} stages: "
+                            f"use 1 to {len(units)} stages, or split_model")
+    weight = [sum(q.numel() for m in unit for q in m.parameters()) for unit in units]
+    prefix = [0]
+    for w in weight:
+        prefix.append(prefix[-1] + w)
+    n = len(units)
+    best = [[float("inf")] * (n + 1) for _ in range(stages + 1)]   # best[g][j]: g stages, j units
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for g in range(1, stages + 1):
+        for j in range(g, n + 1):
+            for i in range(g - 1, j):
+                cost = max(best[g - 1][i], prefix[j] - prefix[i])
+                if cost < best[g][j]:
+                    best[g][j], cut[g][j] = cost, i
+    bounds, j = [], n
+    for g in range(stages, 0, -1):
+        bounds.append((cut[g][j], j))
+        j = cut[g][j]
+    return [nn.Sequential(*[m for unit in units[a:b] for m in unit]) for a, b in bounds[::-1]]
 
 
 def _expects(module: nn.Module) -> str:

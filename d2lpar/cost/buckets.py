@@ -23,7 +23,11 @@ C is smaller: where the two terms meet (a quadratic in C). ``uniform_best_cap`` 
 torch's default (``bucket_cap_mb`` not given) caps the *first* bucket, the last layers' gradients,
 at ``dist._DEFAULT_FIRST_BUCKET_BYTES`` = 1 MiB and the others at 25 MiB, so that the first
 all-reduce starts early; ``first_cap`` models it. Given ``bucket_cap_mb=25`` explicitly, torch uses
-25 MiB for the first bucket too.
+25 MiB for the first bucket too. That order is the one of torch's *rebuilt* buckets (from iteration
+2, with ``find_unused_parameters=False``). With ``find_unused_parameters=True`` torch never rebuilds:
+its 1 MiB bucket holds the first-registered parameters and is all-reduced *last*
+(``torch/nn/parallel/distributed.py``, ``compute_bucket_size_limits`` and the reversed
+``bucket_indices`` handed to the ``Reducer``).
 
 ``against_measured`` puts the model beside measured steps: the prediction is only as good as a, b
 and the backward time, so measure them in the same run as the steps (on a shared CPU the latency

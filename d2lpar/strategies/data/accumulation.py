@@ -73,12 +73,12 @@ def check_no_sync(runs: list[dict], expected: dict, micro: int) -> None:
     ``runs``: ``accumulate_worker``'s result on every rank; ``expected``: one process's gradients
     on the whole batch.
     """
-    check_equal(f"inside no_sync ({micro - 1} backwards): all-reduces started, per rank",
+    check_equal(f"inside no_sync ({micro - 1} backwards): no all-reduce started, on any rank",
                 [r["allreduces inside"] for r in runs], [0] * len(runs))
     first = runs[0]["inside"]
     differ = all(any(not torch.equal(first[n], r["inside"][n]) for n in first) for r in runs[1:])
     check("inside no_sync: the ranks' accumulated gradients differ (each kept its own)", differ)
-    check_equal("the last backward: all-reduces started, one per bucket, per rank",
+    check_equal("the last backward: one all-reduce started per bucket, on every rank",
                 [r["allreduces last"] for r in runs], [r["buckets"] for r in runs])
     for rank, r in enumerate(runs):
         check_close(f"rank {rank}: {micro} micro-batches with no_sync == one batch", r["grads"],

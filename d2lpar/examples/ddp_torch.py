@@ -122,8 +122,9 @@ def main(argv=None) -> None:
     if rank == 0:
         print(f"rank 0 of {world}: {why}", flush=True)
     if world > 1:  # rank and world_size go together; env:// reads MASTER_ADDR and MASTER_PORT
+        gpu = device if device.type == "cuda" else None  # device_id: NCCL binds this GPU at once
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=2),
-                                device_id=device if device.type == "cuda" else None)  # binds the GPU
+                                device_id=gpu)
     try:
         train(args, rank, world, device)
         if world > 1:

@@ -2,10 +2,11 @@
 
 A step of training is a graph of operations; an edge u -> v means v reads what u wrote. Two
 operations joined by no path are *independent*: they may run at the same time on different devices,
-or on a device and a copy link. MXNet's dependency engine runs operations from such a graph as soon as their
-inputs are ready; compilers (XLA with GSPMD, ``jax.jit`` with shardings, Alpa) also *place* them on
-devices. Eager PyTorch does neither: it runs operations in the order Python issues them, on the
-device the user put their inputs on. This module is the course's model of the automatic kind.
+or on a device and a copy link. MXNet's dependency engine runs operations from such a graph as
+soon as their inputs are ready; compilers (XLA with GSPMD, ``jax.jit`` with shardings, Alpa) also
+*place* them on devices. Eager PyTorch does neither: it runs operations in the order Python issues
+them, on the device the user put their inputs on. This module is the course's model of the
+automatic kind.
 
 * ``forward_graph(model, x)`` traces a model with ``torch.fx`` and costs each operation in FLOPs
   (2 * out * in for a linear layer, one per output element for element-wise operations).
@@ -42,7 +43,7 @@ class Op:
     deps: list[str] = field(default_factory=list)
     resource: str | None = None  # fixed device or link; None: the scheduler chooses a device
     kind: str = "compute"        # "compute" or "copy"
-    params: int = 0              # parameters of the layer (its gradient is sent in data parallelism)
+    params: int = 0              # parameters of the layer (data parallelism sends its gradient)
     label: str = "forward"       # the colour on a timeline: forward, backward, copy, update
 
 
@@ -286,8 +287,8 @@ def draw_graph(graph: Graph, where: dict[str, str] | None = None, ax=None, figsi
                for lab in used]
     handles += [plt.Line2D([], [], marker="s" if k == "copy" else "o", ls="", mfc="none",
                            color="#555555") for k in kinds]
-    ax.legend(handles, used + kinds, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False,
-              fontsize="small")
+    ax.legend(handles, used + [f"shape: {k}" for k in kinds], loc="upper left",
+              bbox_to_anchor=(1.01, 1), frameon=False, fontsize="small")
     ax.set_xlabel("depth (longest chain of inputs)")
     ax.set_yticks([-i for i in range(len(lanes))], lanes, fontsize="small")
     ax.margins(y=0.25)

@@ -28,7 +28,7 @@ def _best(fn, repeats=5):
 
 
 def exercise_1():
-    """Two torch threads per simulated device: each job alone may use both cores, so two jobs at once
+    """Two torch threads per worker device: each job alone may use both cores, so two jobs at once
     have no free core left, and both together can never beat one alone."""
     gen = torch.Generator().manual_seed(0)
     x0, x1 = torch.rand(384, 384, generator=gen), torch.rand(384, 384, generator=gen)

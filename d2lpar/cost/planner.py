@@ -16,7 +16,8 @@ at the cluster's sustained FLOP/s) + the pipeline's bubble (``bubble.megatron_ra
 NVLink inside a node, the network across) + the data-parallel gradient reduction left after the
 backward pass has hidden what it can (``zero.sent_bytes``) + the pipeline's point-to-point messages.
 
-MFU = the model's FLOPs (6 P per token plus attention, no recomputation) / (step time x GPUs x peak).
+MFU = the model's FLOPs (6 P per token plus attention, P without the input embedding, no
+recomputation: ``model_flops_per_step``) / (step time x GPUs x peak).
 """
 
 from __future__ import annotations
@@ -208,9 +209,13 @@ def step_time(model: Model, cluster: Cluster, lay: Layout, dp_overlap: bool = Tr
 
 
 def model_flops_per_step(model: Model) -> float:
-    """6 P per token for the weights' products, plus attention's 12 L s d per token (no recompute)."""
+    """Model FLOPs of one step (PaLM, Chowdhery et al. 2022, appendix B): per token 6 P for the
+    weights' products (2 forward, 4 backward) plus attention's 12 L s d; P without the input
+    embedding table (a lookup multiplies nothing; the output layer counts, as in torchtitan's MFU);
+    a recomputed forward is not counted (it is work the model did not need)."""
     tokens = model.batch * model.seq
-    return 6 * model.parameters() * tokens + 12 * model.layers * model.seq * model.d * tokens
+    P = model.parameters() - model.vocab * model.d
+    return (6 * P + 12 * model.layers * model.seq * model.d) * tokens
 
 
 @dataclass

@@ -1,9 +1,13 @@
 """Published figures, recomputed with the formulas the planner uses.
 
-* Megatron-LM (Narayanan et al. 2021, arXiv 2104.04473), eq. 2: a GPT of l layers, width h,
-  vocabulary V and sequence s has P = 12 l h^2 (1 + 13/(12 h) + (V + s)/(12 l h)) parameters; eq. 4:
-  training on T tokens with n GPUs at X FLOP/s each takes about 8 T P / (n X) seconds (6 T P for
-  forward and backward, and 2 T P more to recompute activations).
+* Megatron-LM (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
+  Using Megatron-LM", arXiv 2104.04473), eq. 2: a GPT of l layers, width h, vocabulary V and
+  sequence s has P = 12 l h^2 (1 + 13/(12 h) + (V + s)/(12 l h)) parameters; eq. 3: one step of B
+  sequences costs F = 96 B s l h^2 (1 + s/(6 h) + V/(16 l h)) FLOPs, counting the recomputed forward
+  (96 = 4 passes x 24: hardware-style FLOPs); eq. 4: training on T tokens with n GPUs at X FLOP/s
+  each takes about 8 T P / (n X) seconds (6 T P for forward and backward, 2 T P more to recompute).
+  Its Table 2 sets ZeRO-3 without model parallelism against PTD-P (tensor x pipeline x data) for the
+  175B model at batch 1,536 (``MEGATRON_TABLE_2``).
 * torchtitan's Llama 3.1 8B on 8 H100s: tokens per second per GPU turned into MFU with its FLOPs per
   token, 6 (N - N_embedding) + 12 l a d_h s, at the H100's 989 TFLOP/s dense bf16 peak.
 * The JAX scaling book: data parallelism is compute-bound when each GPU's batch exceeds
@@ -12,13 +16,25 @@
 
 from __future__ import annotations
 
-__all__ = ["megatron_parameters", "MEGATRON_TABLE_1", "megatron_days", "torchtitan_mfu",
-           "compute_bound_batch"]
+__all__ = ["megatron_parameters", "MEGATRON_TABLE_1", "MEGATRON_TABLE_2", "megatron_days",
+           "megatron_step_flops", "torchtitan_mfu", "compute_bound_batch", "A100_PEAK"]
+
+A100_PEAK = 312e12   # dense bf16/fp16 FLOP/s of one A100, the peak Megatron-LM's percentages use
 
 # Megatron-LM's Table 1: (billions of parameters as published, layers, hidden size); V = 51,200, s = 2,048
 MEGATRON_TABLE_1 = [(1.7, 24, 2304), (3.6, 30, 3072), (7.5, 36, 4096), (18.4, 40, 6144),
                     (39.1, 48, 8192), (76.1, 60, 10240), (145.6, 80, 12288), (310.1, 96, 16384),
                     (529.6, 105, 20480), (1008.0, 128, 25600)]
+
+
+# Megatron-LM's Table 2, the 175B model (96 layers, h = 12,288) at a batch of 1,536 sequences:
+# GPUs -> (ZeRO-3 without model parallelism, PTD-P) in teraFLOP/s per GPU, as the paper reports them
+MEGATRON_TABLE_2 = {384: (144, 153), 768: (88, 149), 1536: (44, 141)}
+
+
+def megatron_step_flops(B: int, s: int, l: int, h: int, V: int = 51200) -> float:
+    """Eq. 3: FLOPs of one step of B sequences, the recomputed forward included."""
+    return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
 
 
 def megatron_parameters(l: int, h: int, V: int = 51200, s: int = 2048) -> float:

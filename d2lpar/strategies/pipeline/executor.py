@@ -249,7 +249,8 @@ def run_schedule(schedule: Schedule, modules: dict[int, nn.Module], X: torch.Ten
     ranks: the global ranks that run the pipeline, pipeline rank i on ``ranks[i]`` (a pipeline
     group of a 3D mesh); default: the world, pipeline rank = global rank.
     Returns this rank's spans, the loss of the micro-batches its last stage saw, and per stage the
-    peak bytes of saved activations and the bytes of one micro-batch's activations.
+    peak bytes of saved activations and the bytes of one micro-batch's activations; and the peak
+    of all this rank's stages together (``rank_peak``, sampled after each action).
     """
     p, m, S = schedule.ranks, schedule.microbatches, schedule.stages
     if len(shapes) != S or any(len(col) != m for col in shapes):
@@ -298,7 +299,7 @@ def run_schedule(schedule: Schedule, modules: dict[int, nn.Module], X: torch.Ten
         work.wait()
         return buf
 
-    order = schedule.order[rank]
+    order, rank_peak = schedule.order[rank], 0
     for i, a in enumerate(order):
         s, mb, st = a.stage, a.mb, stages[a.stage]
         lo, hi = bounds[mb]
@@ -321,6 +322,8 @@ def run_schedule(schedule: Schedule, modules: dict[int, nn.Module], X: torch.Ten
         if wait and wait.get(a.kind):   # the stand-in device finishes, then the result can be sent
             time.sleep(max(0.0, wait[a.kind] - (time.perf_counter() - t0)))
         spans.append((f"rank {me}", str(a), t0, time.perf_counter()))
+        # the rank's saved bytes peak at the end of a forward: sample them after each action
+        rank_peak = max(rank_peak, sum(t.tracker.current for t in stages.values()))
         if a.kind == "F":
             if last:
                 loss += l.item()
@@ -331,7 +334,7 @@ def run_schedule(schedule: Schedule, modules: dict[int, nn.Module], X: torch.Ten
     for w, _ in works:
         w.wait()
     return {"spans": spans, "loss": loss,
-            "peak": {s: st.tracker.peak for s, st in stages.items()},
+            "peak": {s: st.tracker.peak for s, st in stages.items()}, "rank_peak": rank_peak,
             "mb_bytes": {s: st.mb_bytes for s, st in stages.items()}}
 
 
@@ -371,6 +374,7 @@ class PipelineResult:
     peak_bytes: list[int]       # per stage, most bytes of saved activations held at once (last step)
     mb_bytes: list[int]         # per stage, bytes saved by one micro-batch's forward
     idle: list[float] = field(default_factory=list)   # per rank, measured idle fraction (last step)
+    rank_peak_bytes: list[int] = field(default_factory=list)   # per rank, all its stages together
 
     @property
     def peak_microbatches(self) -> list[float]:
@@ -426,4 +430,5 @@ def run_pipeline(schedule: Schedule, stages: list[nn.Module], batches, loss_fn=n
     return PipelineResult(schedule, [merged["params"][s] for s in range(S)],
                           [merged["grads"][s] for s in range(S)], last["losses"], timeline,
                           [merged["peak"][s] for s in range(S)], [merged["mb_bytes"][s] for s in range(S)],
-                          idle_fractions(timeline, schedule.ranks))
+                          idle_fractions(timeline, schedule.ranks),
+                          [res["rank_peak"] for res in results])

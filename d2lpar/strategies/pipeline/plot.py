@@ -2,8 +2,9 @@
 
 A bar is coloured by its kind (F forward, B backward, I input gradient, W weight gradient) and
 labelled with its micro-batch; with several stages per rank (interleaving) a rank's later stage is
-drawn in a lighter shade of the same colour, and the legend says so. The same function draws a simulated timeline and one measured on real ranks: both
-are ``d2lpar.infra.timing.Timeline`` objects whose labels are actions such as ``"1F0"``.
+drawn in a lighter shade of the same colour, and the legend says so. The same function draws a
+simulated timeline and one measured on real ranks: both are ``d2lpar.infra.timing.Timeline``
+objects whose labels are actions such as ``"1F0"``.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def draw_pipeline(timeline: Timeline, ax=None, title: str | None = None, unit: s
                 color=lighter(COLORS[a.kind]) if later else COLORS[a.kind], edgecolor="white",
                 linewidth=0.5)
         bar_in = (s.end - s.start) / total * width_in if total > 0 else 0.0
-        if bar_in >= 0.055 * len(str(a.mb)) + 0.03:   # room for the number at 8 points
+        if bar_in >= 0.07 * len(str(a.mb)) + 0.06:   # room for the number at 8, and a margin
             ax.text((s.start - t0 + (s.end - s.start) / 2) * scale, r, str(a.mb), ha="center",
                     va="center", fontsize=8, fontweight="bold", color="black" if later else "white")
     ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
@@ -55,9 +56,9 @@ def draw_pipeline(timeline: Timeline, ax=None, title: str | None = None, unit: s
     kinds = sorted({parse_action(s.label).kind for s in timeline.spans}, key="FBIW".index)
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in kinds]
     labels = list(kinds)
-    if later_seen:
-        handles.append(plt.Rectangle((0, 0), 1, 1, color=lighter(COLORS[kinds[0]])))
-        labels.append("lighter:\nthe rank's\nlater stage")
+    if later_seen:   # one lighter swatch per kind: the rank's later stage
+        handles += [plt.Rectangle((0, 0), 1, 1, color=lighter(COLORS[k])) for k in kinds]
+        labels += [f"{k}, later stage" for k in kinds]
     ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False,
               fontsize="small")
     if title:

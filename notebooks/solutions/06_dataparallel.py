@@ -18,8 +18,8 @@ from d2lpar.infra.devices import get_devices, gpu_count
 from d2lpar.infra.models import count_parameters, lenet, small_resnet
 from d2lpar.infra.paths import build_dir
 from d2lpar.strategies.data.data_parallel import balanced_sizes
-from d2lpar.strategies.data.nn_dataparallel import (SimulatedDataParallel, best_gpu0_bsz, memory_per_device,
-                                               traffic_per_step)
+from d2lpar.strategies.data.nn_dataparallel import (SimulatedDataParallel, best_gpu0_bsz, busiest,
+                                               memory_per_device, traffic_per_step)
 
 torch.set_num_threads(1)
 MB = 2**20
@@ -74,7 +74,8 @@ def _predict(model_fn, batch, k, gpus):
     flops_one = flops_part * k
     gpu, link = cm.GPUS["V100, FP32"], gpus.device_link
     traffic = traffic_per_step(4 * count_parameters(model_fn()), k, batch * 28 * 28 * 4, batch * 10 * 4)
-    return gpu.time(flops_one, ops), gpu.time(flops_part, ops) + link.time(traffic["DataParallel"])
+    through = busiest(traffic["DataParallel"])       # the busier direction of the busiest device
+    return gpu.time(flops_one, ops), gpu.time(flops_part, ops) + link.time(through)
 
 
 def _time_on_gpus(model_fn, batch, k):

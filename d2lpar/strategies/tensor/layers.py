@@ -1,4 +1,4 @@
-"""Column- and row-parallel layers, and the seeds' channel split of a convolution.
+"""Column- and row-parallel layers, and the source notes' channel split of a convolution.
 
 ``ColumnParallelLinear`` holds rows r of W (out/t output features) and needs the whole input;
 ``RowParallelLinear`` holds columns r (in/t input features) and its partial outputs are summed. Put
@@ -52,7 +52,8 @@ class ColumnParallelLinear(nn.Module):
 
     input_comm: 'copy' (f: the input is replicated), 'gather' (sequence parallel: all-gather the
     sequence shards along dim 1 first) or None (the caller already did it, for layers sharing one f).
-    gather_output: all-gather the outputs (the seeds' channel split) instead of leaving them split.
+    gather_output: all-gather the outputs (the source notes' channel split) instead of leaving
+    them split.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
@@ -129,7 +130,8 @@ class RowParallelLinear(nn.Module):
 
 
 class OutChannelSplitConv2d(nn.Module):
-    """The seeds' channel parallelism: rank r computes out/t channels, then all ranks gather them."""
+    """The source notes' channel parallelism: rank r computes out/t channels, then all ranks
+    gather them."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, padding: int = 0,
                  group=None, full: nn.Conv2d | None = None):

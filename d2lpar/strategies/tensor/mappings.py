@@ -3,8 +3,8 @@
 A linear layer ``Y = X W^T`` with W of shape (out, in) can be cut two ways.
 
 * **Column-parallel** (cut the outputs): rank r holds rows r of W, ``W_r`` of shape (out/t, in), and
-  computes ``Y_r = X W_r^T``, its own out/t output features, from the whole input X. This is the seeds'
-  "channel parallelism" (AlexNet's two GPUs each computed half of a layer's channels).
+  computes ``Y_r = X W_r^T``, its own out/t output features, from the whole input X. This is the
+  source notes' "channel parallelism" (AlexNet's two GPUs each computed half of a layer's channels).
 * **Row-parallel** (cut the inputs): rank r holds columns r of W, shape (out, in/t), and computes a
   partial sum ``Y^(r) = X_r W_r^T`` from its slice X_r of the input; ``Y = sum_r Y^(r)``.
 
@@ -24,8 +24,8 @@ regions shrink t times. Per rank, for a tensor of K bytes (ring algorithms):
 
     all-reduce 2(t-1)K/t,   all-gather (t-1)K/t,   reduce-scatter (t-1)K/t.
 
-The layers built from these functions are in ``d2lpar.strategies.tensor.layers`` (column, row, and the seeds'
-channel split of a convolution) and ``d2lpar.strategies.tensor.blocks`` (MLP, attention, transformer layer).
+The layers built from these functions are in ``d2lpar.strategies.tensor.layers`` (column, row,
+and the source notes' channel split of a convolution) and ``d2lpar.strategies.tensor.blocks`` (MLP, attention, transformer layer).
 
 Every collective here is recorded by ``count_comms()`` (kind, pass, tensor bytes, group size), so tests
 and notebooks compare counts and bytes with formulas. Layers take ``group=`` (default: the world), so a

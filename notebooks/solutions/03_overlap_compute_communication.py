@@ -48,7 +48,7 @@ def _wait_worker(numel, compute_s, repeats, wait_first):
     buf = grad.clone()
 
     def compute(tl):
-        with tl.span(f"rank {rank} compute", "wait (GPU compute)"):
+        with tl.span(f"rank {rank} compute", "GPU compute (a sleep)"):
             time.sleep(compute_s)
 
     def transfer(tl):
@@ -81,7 +81,7 @@ def exercise_2():
         for r, buf in results:
             assert torch.equal(buf, torch.full_like(buf, total))
             spans = {s.label: s for s in r.timelines["overlapped"].spans}
-            ar, wait = spans["all-reduce"], spans["wait (GPU compute)"]
+            ar, wait = spans["all-reduce"], spans["GPU compute (a sleep)"]
             if wait_first:
                 assert ar.end <= wait.start, "wait() first: the all-reduce ends before the compute starts"
             else:

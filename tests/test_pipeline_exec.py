@@ -193,3 +193,22 @@ def test_split_balanced_cuts_by_parameters_after_layers_with_parameters():
     for s in stages:
         out = s(out)
     assert torch.equal(out, model(x))
+
+
+def test_each_rank_records_the_peak_of_its_stages_together():
+    torch.manual_seed(0)
+    X, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    blocks = [nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)]
+    net = nn.Sequential(*blocks, nn.Linear(8, 4))
+    s = P.interleaved_1f1b(2, 4, 2)
+    res = run_pipeline(s, split_model(net, 4), [(X, y)])
+    walked = []
+    for acts in s.order:
+        held = peak = 0
+        for a in acts:
+            held += res.mb_bytes[a.stage] if a.kind == "F" else -res.mb_bytes[a.stage]
+            peak = max(peak, held)
+        walked.append(peak)
+    assert res.rank_peak_bytes == walked
+    assert all(r >= max(res.peak_bytes[st] for st in s.stages_of(i))
+               for i, r in enumerate(res.rank_peak_bytes))

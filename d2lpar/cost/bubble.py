@@ -14,8 +14,10 @@ Interleaving v stages per rank cuts each stage's time by v but not the number of
 the bubble is divided by v: (p - 1) / (v m + p - 1), ratio (p - 1) / (v m). ZB-H1 splits the backward
 into I (input gradient, on the critical path) and W (weight gradient, off it): the bubble becomes
 (p - 1)(tF + tI - tW) in a step of m (tF + tI + tW) plus the bubble (m >= p); with tF = tI = tW,
-(p - 1) / (3 m + p - 1), a third of 1F1B's bubble time. With m < p the last Ws cannot hide and the
-step is longer by (p - m) units.
+(p - 1) / (3 m + p - 1), a third of 1F1B's bubble time (Qi et al. 2023, section 2.1, Figure 3). With
+m < p the last Ws of ``d2lpar.strategies.pipeline.schedules.zb_h1`` cannot hide and the step is
+longer by (p - m) units: the FORMULAS entry for m < p describes that generator's W placement, not a
+figure of the paper.
 
 Activation memory, in micro-batches held per stage s: GPipe m; 1F1B min(p - s, m); ZB-H1 min(p, m)
 on every stage (until W).

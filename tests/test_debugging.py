@@ -64,3 +64,32 @@ def test_each_silent_error_fails_its_check_until_fixed():
 def test_a_bad_mismatch_kind_is_one_sentence():
     with pytest.raises(RankFailed, match="kind='size': use 'order', 'shape' or 'dtype'"):
         launch(faults.mismatch, 2, "size", 2, init_process_group=False, timeout=20, quiet=True)
+
+
+def test_the_skipper_is_a_parameter_and_monitored_barrier_names_it():
+    said = launch(faults.skip_collective, 3, "monitored", None, "", 2, 2, init_process_group=False,
+                  timeout=30, quiet=True)
+    assert "Rank 2 failed to pass monitoredBarrier" in said[0]
+
+
+def test_detail_mismatch_keeps_what_matters():
+    from d2lpar.comm.debug_tools import detail_mismatch
+    opts = "TensorDeviceTypes=TensorOptions(dtype=float (default), device=cpu)"
+    msg = ("Detected mismatch between collectives on ranks. Rank 0 is running collective: "
+           f"CollectiveFingerPrint(SequenceNumber=0, OpType=ALLREDUCE, TensorShape=[4], "
+           f"TensorDtypes=Float, {opts}), but Rank 1 is running collective: CollectiveFingerPrint("
+           f"SequenceNumber=0, OpType=ALLREDUCE, TensorShape=[6], TensorDtypes=Float, {opts})."
+           "Collectives differ in the following aspects:   Tensor Tensor shapes: 4vs 6")
+    assert detail_mismatch(msg) == ["rank 0: collective #1, ALLREDUCE, shape [4], dtype Float",
+                                    "rank 1: collective #1, ALLREDUCE, shape [6], dtype Float",
+                                    "they differ in: tensor shapes: 4 vs 6"]
+
+
+def test_ddp_launches_each_bucket_during_backward():
+    from d2lpar.comm.debug_tools import profile_ddp_step
+    for out in launch(profile_ddp_step, 2, 1, 0.005, quiet=True, timeout=60):
+        assert out["order"] == ["all-reduce of bucket 0 launched", "backward compute of layer 3",
+                                "all-reduce of bucket 1 launched", "backward compute of layer 2",
+                                "all-reduce of bucket 2 launched", "backward compute of layer 1",
+                                "all-reduce of bucket 3 launched"]
+        assert {s[1] for s in out["spans"]} >= {"backward compute", "gloo:all_reduce", "mm"}

@@ -64,3 +64,14 @@ def test_the_torch_only_script_dumps_what_torchs_analyzer_reads(tmp_path, monkey
     assert "Culprit rank 1" in FR.torch_analysis(tmp_path / "fr")
     checked = run_in_ranks(tmp_path / script.name, 2, ["--skip-on", "1", "--timeout", "2", "--check"])
     assert "Rank 1 failed to pass monitoredBarrier" in checked[0]
+
+
+def test_a_tie_names_no_culprit_and_a_majority_does():
+    def entry(seq, op, line):
+        return {"seq": seq, "op": op, "sizes": [], "dtypes": [], "state": "", "where": f"x.py line {line}"}
+    ok = [entry(1, "gloo:all_reduce", 1)]
+    two = {0: ok + [entry(2, "gloo:barrier", 3)], 1: ok + [entry(2, "gloo:all_reduce", 2)]}
+    found = FR.first_disagreement(two)
+    assert found["seq"] == 2 and found["culprits"] == [] and "No majority" in found["text"]
+    three = {**two, 2: ok + [entry(2, "gloo:all_reduce", 2)]}
+    assert FR.first_disagreement(three)["culprits"] == [0]

@@ -48,6 +48,11 @@ def test_where_reads_the_main_thread_of_a_faulthandler_dump():
         "torch/distributed/distributed_c10d.py line 3913 in all_reduce"]
     returned = DUMP.replace(f"# main thread {MAIN}\n", f"# main thread {MAIN}\n# fn returned\n")
     assert where(returned).endswith("it waited for the others in the launcher's closing barrier")
+    barrier = returned.replace("all_reduce", "barrier").replace(
+        '  File "/tmp/ipykernel_77/2948.py", line 4 in worker\n', "").replace(
+        'process.py", line 108 in run\n', 'process.py", line 108 in run\n  File "<string>", line 1 in <module>\n')
+    assert where(barrier) == ("was in barrier (torch/distributed/distributed_c10d.py line 3913): its fn "
+                              "had returned, it waited for the others in the launcher's closing barrier")
     assert where("") == "gave no stack (it did not answer the signal)"
 
 

@@ -1,8 +1,12 @@
 """Tools for a run that went wrong, each runnable on launched ranks: a profiler trace of a DDP step,
 ``py-spy dump`` of a rank while it waits, and torchrun's ``@record`` error file.
 
-* ``profile_ddp_step``: ``torch.profiler`` around two DDP steps on each rank; returns the spans of the
-  operators and of the collectives gloo ran (``gloo:all_reduce``), rank by rank, for a timeline.
+* ``profile_ddp_step``: ``torch.profiler`` around two DDP steps on each rank, one bucket per layer
+  and each layer's backward compute a calibrated wait (a stand-in for a GPU's kernels, which survives
+  a busy machine better than real CPU work); returns the spans of the backward compute, the products
+  and the collectives gloo ran (``gloo:all_reduce``), and the order in which backward's layers and
+  the buckets' all-reduce launches happened.
+* ``detail_mismatch``: the lines of a ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` error that matter.
 * ``py_spy_of_a_waiting_rank``: rank 0 waits in an all-reduce while rank 1, before joining it, runs
   ``py-spy dump --pid <rank 0>``: the stack of a process that is stuck, taken from outside it, with
   no change to its code (what one does on a real hang: ``py-spy dump --pid`` on each rank's process).
@@ -25,28 +29,91 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["profile_ddp_step", "py_spy_of_a_waiting_rank", "recorded_failure", "read_error_file"]
+__all__ = ["profile_ddp_step", "detail_mismatch", "py_spy_of_a_waiting_rank", "recorded_failure", "read_error_file"]
 
 
-def profile_ddp_step(steps: int = 2) -> list[tuple[str, str, float, float]]:
+class _ComputeStandIn(torch.autograd.Function):
+    """Identity forward; in backward, a calibrated wait standing in for a layer's device compute."""
+
+    @staticmethod
+    def forward(ctx, x, seconds, layer, log):
+        ctx.seconds, ctx.layer, ctx.log = seconds, layer, log
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.log.append(f"backward compute of layer {ctx.layer}")
+        with torch.profiler.record_function("backward compute"):
+            time.sleep(ctx.seconds)
+        return grad, None, None, None
+
+
+class _Layers(nn.Module):
+    """``layers`` Linear layers; before each, the stand-in, whose backward runs after that layer's
+    gradients are ready: the compute of the layers below it."""
+
+    def __init__(self, width: int, layers: int, seconds: float, log: list):
+        super().__init__()
+        self.layers, self.seconds, self.log = nn.ModuleList(
+            nn.Linear(width, width) for _ in range(layers)), seconds, log
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = torch.relu(layer(_ComputeStandIn.apply(x, self.seconds, i, self.log)))
+        return x
+
+
+def profile_ddp_step(steps: int = 2, compute_s: float = 0.02, layers: int = 4, width: int = 256) -> dict:
+    """Two DDP steps under ``torch.profiler``, one bucket per layer (``bucket_cap_mb`` below one
+    layer's weight), each layer's backward compute a calibrated wait of ``compute_s``.
+
+    Returns ``spans`` (lane, name, start, end) of the backward compute, the products and gloo's
+    collectives, and ``order``: this rank's events of the last step in the order they happened,
+    "backward compute of layer i" (the stand-in) and "all-reduce of bucket b launched" (DDP's
+    communication hook, called when the bucket's gradients are all ready).
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.profiler import ProfilerActivity, profile
-    rank = dist.get_rank()
+    rank, log = dist.get_rank(), []
     torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)), bucket_cap_mb=0.1)
-    x = torch.randn(64, 256)
-    model(x).sum().backward()   # warm-up: buckets are built here
+    layer_mb = width * width * 4 / 2**20
+    model = DDP(_Layers(width, layers, compute_s, log), bucket_cap_mb=layer_mb * 0.8)
+
+    def launched(state, bucket):
+        log.append(f"all-reduce of bucket {bucket.index()} launched")
+        return allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, launched)
+    x = torch.randn(64, width)
+    model(x).sum().backward()   # warm-up: DDP rebuilds its buckets after the first step
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
+            log.clear()
             model(x).sum().backward()
     spans = []
     for e in prof.events():
         name = e.name
-        if name.startswith("gloo:") or name in ("aten::addmm", "aten::mm", "DistributedDataParallel.forward"):
+        if name.startswith("gloo:") or name in ("aten::addmm", "aten::mm", "backward compute"):
             lane = f"rank {rank} comm" if name.startswith("gloo:") else f"rank {rank}"
             start = e.time_range.start / 1e6
             spans.append((lane, name.replace("aten::", ""), start, start + e.time_range.elapsed_us() / 1e6))
-    return spans
+    return {"spans": spans, "order": list(log)}
+
+
+def detail_mismatch(message: str) -> list[str]:
+    """What matters in a ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` mismatch error, one short line each: every
+    rank's fingerprint (operation, shape, dtypes; not the TensorOptions(...) boilerplate) and the
+    aspects it says differ."""
+    prints = re.findall(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
+                        r"OpType=(\w+), TensorShape=(\[[^\]]*\]), TensorDtypes=(\w+)", message)
+    lines = [f"rank {r}: collective #{int(seq) + 1}, {op}, shape {shape}, dtype {dtype}"
+             for r, seq, op, shape, dtype in prints]
+    differ = re.search(r"Collectives differ in the following aspects:\s*(.*)$", message)
+    if differ:
+        said = re.sub(r"(\S)vs ", r"\1 vs ", differ.group(1).replace("Tensor Tensor", "tensor"))
+        lines.append("they differ in: " + " ".join(said.split()))
+    return lines
 
 
 def py_spy_of_a_waiting_rank(delay: float = 1.0) -> str | None:

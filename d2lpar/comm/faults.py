@@ -2,9 +2,9 @@
 
 Hangs and mismatches (run with ``launch(..., init_process_group=False)``: each sets up its own group):
 
-* ``skip_collective``: rank 1 skips one all-reduce that rank 0 calls. Collectives pair up by order,
+* ``skip_collective``: rank ``skipper`` (1) skips one all-reduce that the others call. Collectives pair up by order,
   not by line: rank 1's next all-reduce completes rank 0's skipped one, and the hang appears one
-  collective later (rank 0 in an all-reduce, rank 1 in the final barrier). ``how`` = 'hang' waits
+  collective later (the others in an all-reduce, the skipper in the final barrier). ``how`` = 'hang' waits
   (the launcher's timeout shows each rank's stack); 'monitored' calls ``dist.monitored_barrier`` just
   before the suspect, which names the rank that did not arrive; 'recorded' gives the group a short
   timeout and dumps the flight recorder (``d2lpar.comm.flight_recorder``) on every rank.
@@ -32,8 +32,8 @@ __all__ = ["skip_collective", "mismatch", "uneven_batches", "unused_parameter", 
 
 
 def _said(e: Exception) -> str:
-    """The error's first line, without the C++ source location gloo puts in front of it."""
-    return re.sub(r"\[/\S+\] ", "", str(e).splitlines()[0])[:300]
+    """The error's first line, whole, without the C++ source location gloo puts in front of it."""
+    return re.sub(r"\[/\S+\] ", "", str(e).splitlines()[0])
 
 
 def _init(timeout_s: float) -> int:
@@ -41,19 +41,21 @@ def _init(timeout_s: float) -> int:
     return dist.get_rank()
 
 
-def skip_collective(how: str = "hang", folder: str | None = None, run: str = "", timeout_s: float = 60):
+def skip_collective(how: str = "hang", folder: str | None = None, run: str = "", timeout_s: float = 60,
+                    skipper: int = 1):
+    """Every rank but ``skipper`` calls collective 3 (see the module's docstring for ``how``)."""
     rank = _init(timeout_s)
     t = torch.ones(4)
     dist.all_reduce(t)                 # collective 1: everyone
     dist.broadcast(t, 0)               # collective 2: everyone
     error = None
     try:
-        if rank != 1:
+        if rank != skipper:
             if how == "monitored":     # placed just before the collective under suspicion
                 dist.monitored_barrier(timeout=timedelta(seconds=timeout_s))
-            dist.all_reduce(t)         # collective 3: rank 1 skips it (a branch on the rank)
-        dist.all_reduce(torch.ones(4))   # the next one everyone calls: rank 1's pairs with rank 0's 3rd
-        dist.barrier()                 # the end of the epoch: rank 0 is still in its all-reduce
+            dist.all_reduce(t)         # collective 3: the skipper skips it (a branch on the rank)
+        dist.all_reduce(torch.ones(4))   # the next one everyone calls: the skipper's pairs with the 3rd
+        dist.barrier()                 # the end of the epoch: the others are still in their all-reduce
     except RuntimeError as e:
         error = _said(e)
     if how == "recorded":

@@ -85,16 +85,23 @@ def read_dumps(folder: str | Path) -> dict[int, list[dict]]:
 
 def first_disagreement(dumps: dict[int, list[dict]]) -> dict | None:
     """The first sequence number at which the ranks' collectives differ (None if they all agree):
-    {'seq', 'per_rank': {rank: 'op sizes dtypes' or 'nothing'}, 'culprits', 'text'}."""
+    {'seq', 'per_rank': {rank: 'op sizes dtypes' or 'nothing'}, 'culprits', 'text'}.
+
+    The culprits are the ranks whose record differs from the majority's; with no majority (always
+    with 2 ranks) there are none: the records alone cannot say which rank went astray."""
     by_seq = {r: {e["seq"]: e for e in entries} for r, entries in dumps.items()}
     last = max((s for entries in by_seq.values() for s in entries), default=0)
     for seq in range(1, last + 1):
         seen = {r: _key(entries.get(seq)) for r, entries in by_seq.items()}
         if len(set(seen.values())) > 1:
-            common, _ = Counter(seen.values()).most_common(1)[0]   # a tie: the lowest rank's
-            culprits = sorted(r for r, k in seen.items() if k != common) or sorted(seen)
-            text = (f"collective #{seq}: " + "; ".join(f"rank {r}: {k}" for r, k in sorted(seen.items()))
-                    + f". Odd one out: rank(s) {culprits}.")
+            counts = Counter(seen.values()).most_common()
+            text = f"collective #{seq}: " + "; ".join(f"rank {r}: {k}" for r, k in sorted(seen.items()))
+            if len(counts) > 1 and counts[0][1] == counts[1][1]:   # no majority (2 ranks: always)
+                culprits = []
+                text += ". No majority: the records cannot say which rank is the odd one out."
+            else:
+                culprits = sorted(r for r, k in seen.items() if k != counts[0][0])
+                text += f". Odd one out: rank(s) {culprits}."
             lines = _first_other_call_site(by_seq, seq)
             if lines:
                 text += f" Earlier, collective #{lines[0]} was called from different lines: " + "; ".join(

@@ -247,7 +247,8 @@ def where(text: str) -> str:
         return "gave no stack (it did not answer the signal)"
     file, line, func = frames[0]
     said = f"was in {func} ({_at(file, line)})"
-    mine = next((f for f in frames if not any(lib in f[0] for lib in _LIBRARY)), None)
+    mine = next((f for f in frames if not any(lib in f[0] for lib in _LIBRARY)  # and not the
+                 and not f[0].startswith("<")), None)  # forkserver's <string>: no file to read
     if mine and mine != frames[0]:
         said += f", called from {mine[2]} ({_at(mine[0], mine[1])})"
     if f"# {FN_RETURNED}" in text:

@@ -20,7 +20,9 @@ def test_a_busy_machine_is_named_only_when_something_did_not_hide(monkeypatch):
     import os
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.setattr(os, "getloadavg", lambda: (4.0, 4.0, 4.0))
-    assert "the machine was busy, load 4.0 on 2" in overlap_verdict(0.18, 0.10, 0.08)
+    monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 99.0, 99.0))
+    busy = overlap_verdict(0.18, 0.10, 0.08)
+    assert "a busy machine, load 99.0 on 2" in busy and max(map(len, busy.splitlines())) < 100
     assert "busy" not in overlap_verdict(0.105, 0.10, 0.08)
     monkeypatch.setattr(os, "getloadavg", lambda: (0.5, 0.5, 0.5))
     assert "busy" not in overlap_verdict(0.18, 0.10, 0.08)

@@ -58,8 +58,8 @@ def busy_clause() -> str:
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     if load <= BUSY_PER_CORE * cores:
         return ""
-    return (f"\n  (the machine was busy, load {load:.1f} on {cores} CPU(s): ranks waited for cores;"
-            f" run it again when it is quiet)")
+    return (f"\n  (a busy machine, load {load:.1f} on {cores} CPU(s): work waited for cores;"
+            f" run again when quiet)")
 
 
 def compare_verdict(name_a: str, a: float, name_b: str, b: float, spread: float = 0.05) -> str:

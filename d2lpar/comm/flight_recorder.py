@@ -1,12 +1,13 @@
 """Reading flight-recorder dumps: which collective did the ranks stop agreeing on?
 
-With ``TORCH_FR_BUFFER_SIZE=N`` set before ``init_process_group``, every process group records its
-last N collectives (operation, sequence number, tensor sizes and dtypes, state, Python stack) in a
-ring buffer; ``torch._C._distributed_c10d._dump_fr_trace()`` returns it, and NCCL jobs dump it on a
+Every process group records its last N collectives (operation, sequence number, tensor sizes and
+dtypes, state, Python stack) in a ring buffer; N is ``TORCH_FR_BUFFER_SIZE``, read once per process,
+2000 by default in torch 2.14 (``FlightRecorder.hpp``), 0 turns the recorder off; ``torch._C._distributed_c10d._dump_fr_trace()`` returns it, and NCCL jobs dump it on a
 watchdog timeout by themselves (``TORCH_NCCL_DUMP_ON_TIMEOUT``). With one dump per rank, a hang or a
 mismatch is found by lining the ranks' collectives up by sequence number: the first number where
 the ranks' operations, sizes or dtypes differ, or where a rank has no entry (it never got there), is
-where the program went wrong, and the odd rank out is the culprit.
+where the program went wrong, and the rank whose record differs from the majority's is the culprit
+(with 2 ranks there is no majority: see ``first_disagreement``).
 
 ``dump(folder, run)`` writes rank r's buffer twice: ``fr_<r>.json`` (with the run's id, the rank and
 the world size, for ``first_disagreement``) and ``rank_<r>`` (torch's pickle, for torch's own analyzer,

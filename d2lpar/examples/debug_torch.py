@@ -9,6 +9,8 @@ torch only: no d2lpar. What it sets up, each a line or two:
   ``python -m torch.distributed.flight_recorder.fr_trace DIR -p rank_``;
 * a short process-group ``--timeout`` while debugging, and ``dist.monitored_barrier`` at a suspect
   point (``--check``), which names the ranks that do not arrive (gloo);
+* every thread's Python stack on demand: ``kill -USR1 <pid>`` makes a rank print it to stderr
+  (``faulthandler``, armed in ``arm_stack_dumps``), without stopping it;
 * ``--skip-on RANK`` plants the classic bug: that rank skips one all-reduce.
 
     torchrun --standalone --nproc-per-node=2 debug_torch.py --skip-on 1 --timeout 5 --dump fr
@@ -16,8 +18,10 @@ torch only: no d2lpar. What it sets up, each a line or two:
 """
 
 import argparse
+import faulthandler
 import os
 import pickle
+import signal
 from datetime import timedelta
 
 os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")   # before the process group exists
@@ -29,6 +33,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 class Usage(Exception):  # bad input: printed as one sentence, without a traceback
     pass
+
+
+def arm_stack_dumps() -> None:
+    """``kill -USR1 <pid>`` then prints every thread's Python stack to stderr; the rank goes on."""
+    if hasattr(signal, "SIGUSR1"):   # not on Windows
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def dump_flight_recorder(folder: str) -> str:
@@ -51,6 +61,7 @@ def main(argv=None) -> str:
     p.add_argument("--check", action="store_true", help="monitored_barrier before the suspect all-reduce")
     p.add_argument("--dump", default=None, help="folder for flight-recorder dumps on a timeout")
     args = p.parse_args(argv)
+    arm_stack_dumps()
     if not args.timeout > 0:
         raise Usage(f"--timeout {args.timeout}: give the seconds a collective may wait, above 0")
     if "RANK" not in os.environ:
@@ -67,7 +78,7 @@ def main(argv=None) -> str:
         dist.all_reduce(torch.ones(4))
         dist.barrier()
     except RuntimeError as e:
-        outcome = f"rank {rank}: {str(e).splitlines()[0][:200]}"
+        outcome = f"rank {rank}: {str(e).splitlines()[0]}"
         if args.dump:
             outcome += f"; flight recorder in {dump_flight_recorder(args.dump)}"
     print(outcome, flush=True)

@@ -31,6 +31,7 @@ Four ways to get it:
 
 from __future__ import annotations
 
+import textwrap
 import threading
 import time
 from dataclasses import dataclass, field
@@ -80,7 +81,7 @@ class OverlapResult:
         """The four times, the limit and the ratio, ending with the verdict of this run."""
         lines = [f"{self.name}"] + [f"  {k:<30}{v * 1e3:9.1f} ms" for k, v in self.rows()]
         lines.append(f"  ratio overlapped / max(compute, transfer) = {self.ratio:.3f}")
-        lines.append(f"  {self.verdict()}")
+        lines += textwrap.wrap(self.verdict(), 98, initial_indent="  ", subsequent_indent="    ")
         return "\n".join(lines)
 
 

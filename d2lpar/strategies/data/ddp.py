@@ -126,7 +126,8 @@ class DDP(nn.Module):
         if not dist.is_initialized():
             raise RuntimeError("DDP needs a process group: run it under d2lpar.processes.launch "
                                "or torchrun, after dist.init_process_group()")
-        self.module, self.find_unused, self.broadcast_buffers = module, find_unused_parameters, broadcast_buffers
+        self.module, self.find_unused = module, find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
         self.compress, self.timeline = _DTYPES[compress], timeline
         self.group = process_group  # None: every rank
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)

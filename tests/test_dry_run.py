@@ -2,6 +2,7 @@
 does not use (it dry-runs the 8B model); bad input is one sentence, before anything is built."""
 
 import pytest
+import torch
 
 from d2lpar.cost.memory_levers import dry_run_formula
 from d2lpar.strategies.memory.dry_run import GPT, GPTConfig, dry_run
@@ -26,3 +27,16 @@ def test_bad_input_is_one_sentence():
         dry_run(lambda: GPT(cfg), (1, 4), "fsdp+tp")
     with pytest.raises(ValueError, match="plan='zero'"):
         dry_run(lambda: GPT(cfg), (2,), "zero")
+
+
+def test_a_bf16_policy_halves_the_gathered_parameters_and_activations_only():
+    cfg = CONFIGS[0]
+    r = dry_run(lambda: GPT(cfg), (2,), "fsdp", batch=2, seq=8, param_dtype=torch.bfloat16,
+                log=lambda text: None)
+    want = dry_run_formula(cfg.layers, cfg.d, cfg.heads, cfg.hidden, cfg.vocab, (2,), 2, 8)
+    got = r.measured()
+    for k in ("sharded_param", "sharded_grad", "opt"):
+        assert got[k] == pytest.approx(want[k], rel=1e-9), k
+    for k in ("unsharded_param", "all_gather"):
+        assert got[k] == pytest.approx(want[k] / 2, rel=1e-9), k
+    assert r.peak["total"] > 0

@@ -123,3 +123,43 @@ def test_the_torch_only_script_trains_the_same_with_either_checkpointing(tmp_pat
     assert two[0] != two[1] and all(r[-1] < r[0] for r in two)   # own data per rank; both train
     with pytest.raises(names["Usage"], match="--steps 0: give at least 1"):
         names["main"](["--steps", "0"])
+
+
+def test_the_measured_backward_peak_is_the_sqrt_rules_formula_plus_a_constant():
+    from d2lpar.infra.autograd_meter import peak_live_bytes
+    b, s, d, heads, hidden, L = 2, 16, 32, 4, 128, 16
+    x = torch.randn(b, s, d, requires_grad=True)
+    torch.manual_seed(0)
+    layer = TransformerLayer(d, heads, hidden)
+    A = saved_bytes(lambda: layer(x), layer)
+    X = saved_bytes(lambda: CheckpointedStack([layer], "full")(x), layer)
+    rest = set()
+    for k in (1, 2, 4):
+        stack = CheckpointedStack([layer] * L, "full", k)
+        peak = peak_live_bytes(lambda: torch.autograd.grad(stack(x).square().sum(), x))
+        rest.add(peak - ML.checkpoint_peak(L, k, X, A))
+    assert len(rest) == 1 and 0 < rest.pop() < A
+
+
+def test_korthikanti_count_gives_the_papers_figures():
+    assert round(ML.korthikanti_selective_overhead(2048, 12288, 96, 51200), 3) == 0.027
+    assert round(ML.korthikanti_selective_overhead(2048, 20480, 105, 51200), 3) == 0.016
+
+
+def test_fp8_rowwise_scales_confine_an_outlier_and_the_fallback_gives_the_same_values(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    a, w = torch.randn(64, 64, generator=g), torch.randn(64, 32, generator=g)
+    a[::16, ::16] = 1e5
+    clean = torch.ones(64, dtype=torch.bool)
+    clean[::16] = False
+    exact = a.double() @ w.double()
+    tensor, row = fp8.fp8_matmul(a, w), fp8.fp8_matmul(a, w, rowwise=True)
+    assert fp8.last_kernel == "torch._scaled_mm"
+    assert fp8.relative_error(tensor[clean], exact[clean]) > 2 * fp8.relative_error(row[clean], exact[clean])
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no fp8 kernel on this CPU")
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    again = fp8.fp8_matmul(a, w, rowwise=True)
+    assert fp8.last_kernel.startswith("dequantised")
+    assert torch.equal(again, row)

@@ -42,7 +42,8 @@ from d2lpar.cost.tp_cost import activation_bytes, layer_flops
 
 __all__ = ["BYTES", "bytes_per_parameter", "playbook_table", "layer_activations", "input_bytes",
            "saved_bytes", "checkpoint_peak", "best_spacing", "recompute_flops", "step_flops",
-           "split_parameters", "sharded_bytes", "dry_run_formula"]
+           "split_parameters", "sharded_bytes", "dry_run_formula",
+           "korthikanti_selective_overhead"]
 
 # bytes per parameter: (weights, gradients, master weights, optimizer state, fp32 gradient buffer)
 BYTES = {"fp32": (4, 4, 0, 8, 0), "bf16 mixed": (2, 2, 4, 8, 0), "bf16 mixed, fp32 grads": (2, 2, 4, 8, 4)}
@@ -110,6 +111,14 @@ def recompute_flops(mode: str, L: int, b: int, s: int, d: int, hidden: int, ever
     if mode == "full":
         return L * layer_flops(b, s, d, hidden) - math.ceil(L / every) * 2 * b * s * d * hidden
     return L * 4 * b * s * s * d
+
+
+def korthikanti_selective_overhead(s: int, h: int, l: int, V: int) -> float:
+    """Extra FLOPs of selective recomputation as Korthikanti et al. 2022 count them (Appendix A): a
+    step is 72 B s l h^2 (1 + s/6h + V/12lh); recomputing the core attention makes s/6h into s/3h, so
+    the extra share is (s/6h) / (1 + s/6h + V/12lh): the attention core's forward and backward
+    (12 b s^2 h per layer), where ``recompute_flops`` counts the recomputed forward (4 b s^2 h)."""
+    return (s / (6 * h)) / (1 + s / (6 * h) + V / (12 * l * h))
 
 
 def step_flops(L: int, b: int, s: int, d: int, hidden: int) -> float:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["saved_bytes", "count_flops"]
+__all__ = ["saved_bytes", "count_flops", "peak_live_bytes"]
 
 
 def saved_bytes(fn, *exclude: nn.Module) -> int:
@@ -43,3 +43,43 @@ def count_flops(fn) -> int:
     with FlopCounterMode(display=False) as counter:
         fn()
     return counter.get_total_flops()
+
+
+def peak_live_bytes(fn) -> int:
+    """The peak, while ``fn()`` runs, of the bytes of tensors created inside it and still alive.
+
+    A ``TorchDispatchMode`` sees every tensor an operation returns; a weak reference to its storage
+    says when the storage is freed. Tensors made before ``fn`` (parameters, inputs) are not counted,
+    so run the forward *and* the backward inside ``fn`` (e.g. ``torch.autograd.grad(loss, x)``, which
+    makes no parameter gradients) to measure the activations, the recomputed segments and the
+    backward's temporaries at their highest."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    live: dict[int, int] = {}
+    state = {"now": 0, "peak": 0}
+
+    def free(key: int) -> None:
+        state["now"] -= live.pop(key, 0)
+
+    class Meter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)}   # a view or an in-place result is no new memory
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    st = t.untyped_storage()
+                    key = st.data_ptr()
+                    if st.nbytes() and key not in live and key not in inputs:
+                        live[key] = st.nbytes()
+                        state["now"] += st.nbytes()
+                        weakref.finalize(st, free, key)
+            state["peak"] = max(state["peak"], state["now"])
+            return out
+
+    with Meter():
+        fn()
+    return state["peak"]

@@ -132,19 +132,22 @@ def _tensor_parallel(model: GPT, mesh) -> None:
 
 
 def dry_run(model_fn, mesh_shape=(8,), plan: str = "fsdp", batch: int = 1, seq: int = 2048,
-            world: int | None = None) -> DryRun:
+            world: int | None = None, param_dtype: torch.dtype | None = None, log=None) -> DryRun:
     """Build ``model_fn()`` (a ``GPT``) on fake tensors, shard it with ``plan`` over a fake mesh of
     ``mesh_shape`` and run two training steps (AdamW); return rank 0's bytes per category.
 
     plan: 'fsdp' (``fully_shard`` per layer and at the root, mesh (N,)) or 'fsdp+tp' (mesh (dp, tp):
     the layers' linear layers split over tp with ``parallelize_module``, then ``fully_shard`` over dp).
     Runs in this process; a process group already initialised here is refused (the fake one must be
-    the only one).
+    the only one). ``param_dtype`` (e.g. torch.bfloat16): ``fully_shard(..., mp_policy=
+    MixedPrecisionPolicy(param_dtype, reduce_dtype=torch.float32))``, so gathered parameters,
+    activations and gradients are bf16 while the shards and AdamW stay fp32. ``log(text)`` is called as
+    the run goes (sharded, each step done).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     _check(mesh_shape, plan, None, world)
@@ -165,9 +168,13 @@ def dry_run(model_fn, mesh_shape=(8,), plan: str = "fsdp", batch: int = 1, seq: 
         params = sum(p.numel() for p in model.parameters())
         if plan == "fsdp+tp":
             _tensor_parallel(model, tp_mesh)
+        mp = {} if param_dtype is None else \
+            {"mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)}
         for layer in model.layers:
-            fully_shard(layer, mesh=dp_mesh)
-        fully_shard(model, mesh=dp_mesh)
+            fully_shard(layer, mesh=dp_mesh, **mp)
+        fully_shard(model, mesh=dp_mesh, **mp)
+        say = log or (lambda text: None)
+        say(f"sharded over the fake mesh {shape} in {time.perf_counter() - t0:.1f} s")
         with FakeTensorMode(allow_non_fake_inputs=True):   # the meshes are real tensors
             model.to_empty(device="cpu")   # each rank's shards, as fake tensors: nothing allocated
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -175,7 +182,7 @@ def dry_run(model_fn, mesh_shape=(8,), plan: str = "fsdp", batch: int = 1, seq: 
             tracker = FSDPMemTracker(model, opt)
             tracker.track_inputs((tokens,))
             with tracker:
-                for _ in range(2):   # the first step creates AdamW's state; the second is steady
+                for step in range(2):   # the first step creates AdamW's state; the second is steady
                     loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
                     forward = tracker.get_tracker_snapshot()
                     loss.backward()
@@ -184,6 +191,7 @@ def dry_run(model_fn, mesh_shape=(8,), plan: str = "fsdp", batch: int = 1, seq: 
                     opt.step()
                     opt.zero_grad()
                     tracker.reset_mod_stats()
+                    say(f"step {step + 1} of 2 done at {time.perf_counter() - t0:.1f} s")
             snap = tracker.get_tracker_snapshot("peak")
             tensors = len(list(model.parameters()))
     finally:

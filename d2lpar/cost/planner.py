@@ -318,8 +318,8 @@ def describe(p: Plan, model: Model, cluster: Cluster) -> str:
     mfu = model_flops_per_step(model) / (p.step * cluster.gpus * cluster.peak_flops)
     mem = ", ".join(f"{k} {v / GB:.1f}" for k, v in p.memory.items())
     t = ", ".join(f"{k} {v:.3f}" for k, v in p.time.items())
-    return (f"{p.layout}\n    memory per GPU {p.peak_memory / GB:.1f} GB ({mem})\n"
-            f"    step {p.step:.3f} s ({t}); MFU {mfu:.1%}")
+    return (f"{p.layout}\n    memory per GPU {p.peak_memory / GB:.1f} GB:\n      {mem}\n"
+            f"    step {p.step:.3f} s, MFU {mfu:.1%}:\n      {t}")
 
 
 def _cluster(gpus, per_node, mem, peak, intra, inter, name):

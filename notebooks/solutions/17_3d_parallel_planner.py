@@ -95,7 +95,7 @@ def exercise_3():
     gpt3, a100 = P.MODELS["gpt3-175b"], P.CLUSTERS["1024 A100-80GB"]
     cases = [("here, 8 x 1 x 1", here, cluster, P.Layout(8, 1, 1, zero=0, micro=4)),
              ("here, 2 x 2 x 2", here, cluster, P.Layout(2, 2, 2, zero=0, micro=4)),
-             ("GPT-3, Megatron's layout", gpt3, a100, P.Layout(16, 8, 8, zero=0, micro=96,
+             ("GPT-3, a Megatron-style layout", gpt3, a100, P.Layout(16, 8, 8, zero=0, micro=96,
                                                                 checkpoint="full")),
              ("here, 1 x 2 x 4", here, cluster, P.Layout(1, 2, 4, zero=0, micro=4))]
     saved = {}

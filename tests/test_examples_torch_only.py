@@ -158,8 +158,11 @@ def test_ddp_device_choice_with_faked_gpu_counts(tmp_path, monkeypatch):
     assert choose(1, 2, 4)[:2] == (cuda(1), "nccl")  # more than enough
     assert choose(0, 1, 1)[:2] == (cuda(0), "nccl")  # one process, one GPU
     assert choose(5, 8, 8, cpu=True)[:2] == (cpu, "gloo")  # --cpu wins
-    with pytest.raises(Usage, match="sees 2 GPUs but 8 processes run on this node: .*--cpu"):
+    assert choose(0, 1, 1, shared=True)[:2] == (cuda(0), "nccl")  # torchrun, one process, one GPU
+    with pytest.raises(Usage, match=r"sees 2 GPU\(s\) but 8 processes run on this node: .*--cpu"):
         choose(5, 8, 2)
+    with pytest.raises(Usage, match=r"sees 1 GPU\(s\) but 2 processes"):  # torchrun x2 on one GPU
+        choose(1, 2, 1, shared=True)
     for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
         monkeypatch.delenv(name, raising=False)
     assert ddp["per_node"]() == 1

@@ -68,21 +68,23 @@ def per_node() -> int:
     return int(value.split("(")[0].split(",")[0])
 
 
-def choose_device(local_rank: int, local_world: int, visible: int, cpu: bool = False
-                  ) -> tuple[torch.device, str, str]:
+def choose_device(local_rank: int, local_world: int, visible: int, cpu: bool = False,
+                  shared: bool = False) -> tuple[torch.device, str, str]:
     """(device, backend, why) for a process that sees ``visible`` GPUs, with ``local_world`` on
-    its node. Exactly one visible: cuda:0 (the GPU bound to this task); at least one per process:
-    cuda:local_rank; some but fewer: a Usage error (two ranks on one GPU is what NCCL refuses)."""
+    its node. ``shared``: the node's processes all see the same GPUs (torchrun's workers do; srun's
+    tasks bound with --gpus-per-task=1 do not). One GPU per process: cuda:0 when each task sees
+    only its own, cuda:LOCAL_RANK when all are visible; fewer GPUs than processes: a Usage error
+    (two ranks on one GPU is what NCCL refuses)."""
     if cpu:
         return torch.device("cpu"), "gloo", "--cpu given: gloo on the CPU"
     if visible == 0:
         return torch.device("cpu"), "gloo", "no CUDA GPU visible: gloo on the CPU"
-    if visible == 1:
+    if visible == 1 and not (shared and local_world > 1):
         return torch.device("cuda", 0), "nccl", "one GPU visible to this process: cuda:0, NCCL"
     if visible >= local_world:
         return (torch.device("cuda", local_rank), "nccl",
                 f"{visible} GPUs visible, {local_world} processes here: cuda:LOCAL_RANK, NCCL")
-    raise Usage(f"this process sees {visible} GPUs but {local_world} processes run on this node: "
+    raise Usage(f"this process sees {visible} GPU(s) but {local_world} processes run on this node: "
                 f"bind one GPU per process (srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES), "
                 f"start at most {visible} per node, or pass --cpu")
 
@@ -116,7 +118,8 @@ def main(argv=None) -> None:
     except OSError as e:
         raise Usage(f"cannot write to --out {args.out} ({e.strerror}): give a folder you can write")
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    device, backend, why = choose_device(local_rank, per_node(), visible, args.cpu)
+    shared = "TORCHELASTIC_RUN_ID" in os.environ  # torchrun's workers see the same GPUs
+    device, backend, why = choose_device(local_rank, per_node(), visible, args.cpu, shared)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if rank == 0:

@@ -81,7 +81,8 @@ class OverlapResult:
         """The four times, the limit and the ratio, ending with the verdict of this run."""
         lines = [f"{self.name}"] + [f"  {k:<30}{v * 1e3:9.1f} ms" for k, v in self.rows()]
         lines.append(f"  ratio overlapped / max(compute, transfer) = {self.ratio:.3f}")
-        lines += textwrap.wrap(self.verdict(), 98, initial_indent="  ", subsequent_indent="    ")
+        for part in self.verdict().splitlines():  # wrapped to 100 columns, its lines kept
+            lines += textwrap.wrap(part.strip(), 98, initial_indent="  ", subsequent_indent="    ")
         return "\n".join(lines)
 
 

@@ -85,3 +85,34 @@ def test_context_parallel_equals_one_gpu(tmp_path, monkeypatch):
     from tests.torch_only import load_copy
     names = load_copy(REPO / "d2lpar" / "examples" / "context_parallel_torch.py", tmp_path, monkeypatch)
     assert names["main"](["--seq", "1024"]) < 0.05
+
+
+def _ring_blocks_kept():
+    import torch.distributed as dist
+    n, r = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(2)
+    parts = [R.split_sequence(torch.randn(1, 2, 8 * n, 4, generator=g), n, False)[r].requires_grad_()
+             for _ in range(3)]
+    blocks, kept = [], set()
+
+    def pack(t):
+        kept.add(t.untyped_storage().data_ptr())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = R.ring_attention(*parts, blocks=blocks)
+    out.sum().backward()
+    return len(blocks), sum(b.untyped_storage().data_ptr() in kept for b in blocks)
+
+
+def test_an_autograd_ring_keeps_every_key_value_block_it_received():
+    for n in (2, 4):
+        assert launch(_ring_blocks_kept, n, timeout=60) == [(n, n)] * n
+
+
+def test_the_overlap_timeline_draws_each_transfer_for_its_measured_time():
+    from d2lpar.strategies.context.timing import ring_overlap
+    t = launch(ring_overlap, 4, 1, 4, 4, 64, 0.002, 2, timeout=60)[0]
+    sends = [(s, e) for lane, label, s, e in t["spans"] if label.startswith("transfer")]
+    assert len(sends) == 3
+    for s, e in sends:
+        assert e - s == pytest.approx(t["transfer"] / 3)

@@ -14,7 +14,13 @@ row: for each block, with scores z = q k^T / sqrt(d_h) (masked entries -inf),
 
 and the output is o / l: the same as one softmax over the whole row. **Backward** is autograd through
 these operations and through ``RingShift``, a send/receive whose backward sends the gradient the other
-way round the ring, so each block's key/value gradient returns to the rank that owns it.
+way round the ring, so each block's key/value gradient returns to the rank that owns it. Two costs of
+that simplicity: autograd keeps every key/value block a rank received (the whole sequence's K and V,
+on every rank) and each block's scores; and the backward's transfers are waited for at once, so they
+do not overlap compute. A production ring (torch's ``_templated_ring_attention_backward``, Liu et
+al.'s Ring Attention) keeps only its own block and the log-sum-exp, sends K/V round the ring again
+in the backward with a second ring for dK/dV, and recomputes each block's scores, as flash attention
+does.
 
 **Causal masks and the zig-zag split.** With a causal mask a query attends to keys at or before it.
 Cut in N contiguous chunks, rank r's queries see r + 1 of the N chunks: the last rank does N times the
@@ -124,12 +130,14 @@ def _kind(i: int, j: int, causal: bool) -> str | None:
 
 
 def ring_attention(q, k, v, causal: bool = False, zigzag: bool = False, counter: dict | None = None,
-                   device_wait: float = 0.0, spans: list | None = None):
+                   device_wait: float = 0.0, spans: list | None = None, blocks: list | None = None):
     """This rank's attention output for its queries q (b, heads, s_local, d_h) over the whole sequence.
 
     q, k, v hold this rank's chunks (``split_sequence``); ``counter`` counts the bytes sent;
     ``device_wait`` makes each block's computation last at least that long (a stand-in for a GPU,
-    messages stay real); ``spans`` receives (lane, label, start, end) for a timeline.
+    messages stay real); ``spans`` receives (lane, label, start, end) for a timeline; ``blocks``
+    receives each stacked key/value block this rank computes on (its own first), to see which of them
+    autograd keeps.
     """
     rank, n = dist.get_rank(), dist.get_world_size()
     ids = chunk_ids(n, zigzag)
@@ -143,6 +151,8 @@ def ring_attention(q, k, v, causal: bool = False, zigzag: bool = False, counter:
         t0 = time.perf_counter()
         nxt = RingShift.apply(kv, counter) if step < n - 1 else None   # posted before computing
         t1 = time.perf_counter()
+        if blocks is not None:
+            blocks.append(kv)
         ks, vs = kv[0].chunk(per, 2), kv[1].chunk(per, 2)
         for a, i in enumerate(ids[rank]):
             for c, j in enumerate(ids[owner]):

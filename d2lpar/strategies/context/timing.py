@@ -34,9 +34,11 @@ def _median(fn, repeats: int) -> float:
 def ring_overlap(b: int, heads: int, s_local: int, dh: int, device_wait: float | None = None,
                  repeats: int = 7):
     """In a launched rank: {'compute', 'transfer', 'overlapped', 'device_wait'} seconds and the last
-    run's spans. ``device_wait=None`` calibrates it: one block's compute lasts twice one block's
+    run's spans. ``device_wait=None`` calibrates it: one block's compute lasts 1.5 times one block's
     transfer measured here (ring attention is sized so that the compute can hide the transfer; on
-    TCP the first part of a send is copied while it is posted, so not all of it can hide)."""
+    TCP the first part of a send is copied while it is posted, so not all of it can hide). In the
+    spans, each transfer is drawn from its post for the duration one transfer took alone (measured),
+    not until the ``wait()`` that follows the block's compute."""
     n = dist.get_world_size()
     g = torch.Generator().manual_seed(dist.get_rank())
     q, k, v = (torch.randn(b, heads, s_local, dh, generator=g) for _ in range(3))
@@ -60,11 +62,14 @@ def ring_overlap(b: int, heads: int, s_local: int, dh: int, device_wait: float |
         if device_wait is None:
             one = torch.tensor([_median(transfer, repeats) / max(n - 1, 1)])
             dist.all_reduce(one, op=dist.ReduceOp.MAX)   # every rank the same wait
-            device_wait = 2 * one.item()
+            device_wait = 1.5 * one.item()
         out = {"device_wait": device_wait, "compute": _median(compute, repeats),
                "transfer": _median(transfer, repeats),
                "overlapped": _median(lambda: R.ring_attention(q, k, v, device_wait=device_wait), repeats)}
         dist.barrier()
         R.ring_attention(q, k, v, device_wait=device_wait, spans=spans)
-    out["spans"] = spans
+    one = out["transfer"] / max(n - 1, 1)   # one block's transfer, measured alone
+    out["spans"] = [(lane, label.replace("send", "transfer"), start, start + one)
+                    if label.startswith("send") else (lane, label, start, end)
+                    for lane, label, start, end in spans]
     return out

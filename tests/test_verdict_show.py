@@ -10,6 +10,8 @@ def test_overlap_verdict_reads_the_ratio():
     assert overlap_verdict(0.105, 0.10, 0.08).startswith("overlapped (1.05x")
     assert overlap_verdict(0.18, 0.10, 0.08).startswith("no overlap in this run (1.80x")
     assert "50% of the shorter one hid" in overlap_verdict(0.14, 0.10, 0.08)
+    assert overlap_verdict(0.105, 0.10, 0.08).endswith("the transfer hid behind the compute")
+    assert overlap_verdict(0.105, 0.08, 0.10).endswith("the compute hid behind the transfer")
     assert hidden_fraction(0.10, 0.10, 0.08) == pytest.approx(1.0)
     assert overlap_verdict(0.07, 0.10, 0.08).startswith("below the limit (0.70x")
     assert max(len(line) for t in (0.1, 0.14, 0.18)

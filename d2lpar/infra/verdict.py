@@ -31,7 +31,8 @@ def hidden_fraction(overlapped: float, a: float, b: float) -> float:
 
 def overlap_verdict(overlapped: float, a: float, b: float, what: str = "transfer",
                     behind: str = "compute", close: float = 0.15) -> str:
-    """One line on how much of ``what`` (time b) hid behind ``behind`` (time a) in this run.
+    """One line on how much of the shorter of ``what`` (time b) and ``behind`` (time a) hid behind
+    the longer one in this run.
 
     ``close``: within this fraction above the limit counts as fully overlapped (timer noise).
     """
@@ -41,9 +42,11 @@ def overlap_verdict(overlapped: float, a: float, b: float, what: str = "transfer
     if ratio < 1 - close:   # less than the longer part alone: the runs did not see the same machine
         return f"below the limit {figures}: the cases ran under different load; time them again"
     if ratio <= 1 + close:
-        return f"overlapped {figures}: the {what} hid behind the {behind}"
+        short, long = (what, behind) if b <= a else (behind, what)
+        return f"overlapped {figures}: the {short} hid behind the {long}"
     if hidden <= 0.15:
-        return f"no overlap in this run {figures}: they did not run at once" + busy_clause()
+        return (f"no overlap in this run {figures}: together as long as one after the other"
+                + busy_clause())
     return f"partly overlapped {figures}: {hidden:.0%} of the shorter one hid" + busy_clause()
 
 

@@ -45,7 +45,7 @@ def overlap_verdict(overlapped: float, a: float, b: float, what: str = "transfer
         short, long = (what, behind) if b <= a else (behind, what)
         return f"overlapped {figures}: the {short} hid behind the {long}"
     if hidden <= 0.15:
-        return (f"no overlap in this run {figures}: together as long as one after the other"
+        return (f"no overlap in this run {figures}: as long as one after the other"
                 + busy_clause())
     return f"partly overlapped {figures}: {hidden:.0%} of the shorter one hid" + busy_clause()
 

@@ -78,9 +78,20 @@ class OverlapResult:
                                behind=self.behind)
 
     def table(self) -> str:
-        """The four times, the limit and the ratio, ending with the verdict of this run."""
+        """The four times, the limit and the ratio, ending with the verdict of this run.
+
+        The measured sequential run is compared with compute + transfer (what the verdict's "in
+        sequence" figure uses); a gap above 15 % is flagged: the cases then ran under different load.
+        """
         lines = [f"{self.name}"] + [f"  {k:<30}{v * 1e3:9.1f} ms" for k, v in self.rows()]
         lines.append(f"  ratio overlapped / max(compute, transfer) = {self.ratio:.3f}")
+        parts = self.compute + self.transfer
+        lines.append(f"  overlapped / measured sequential = {self.overlapped / self.sequential:.3f}"
+                     f" (saved {(self.sequential - self.overlapped) * 1e3:.1f} ms)")
+        gap = self.sequential / parts - 1
+        if abs(gap) > 0.15:
+            lines.append(f"  the sequential run took {gap:+.0%} against compute + transfer "
+                         f"({parts * 1e3:.1f} ms): the cases saw different load")
         for part in self.verdict().splitlines():  # wrapped to 100 columns, its lines kept
             lines += textwrap.wrap(part.strip(), 98, initial_indent="  ", subsequent_indent="    ")
         return "\n".join(lines)
@@ -105,13 +116,18 @@ Run = Callable[[Timeline], None]  # one run of one case; it may record its spans
 
 def measure(name: str, compute: Run, transfer: Run, sequential: Run, overlapped: Run,
             repeats: int, before: Callable[[], None] = lambda: None,
-            check: Callable[[], None] = lambda: None) -> OverlapResult:
+            check: Callable[[], None] = lambda: None,
+            setup: Callable[[str], None] = lambda case: None,
+            checked: tuple[str, ...] = ("overlapped",)) -> OverlapResult:
     """The one harness: time the four cases in interleaved rounds and keep the best of each.
 
     ``before`` runs ahead of every timed run (a barrier, a ``cuda.synchronize``) and again before
     the clock stops, so queued device work is counted; ``check`` runs after each overlapped run and
-    raises if it computed or delivered anything different. Each case reports its best round, and
-    its timeline is the one of that same round, so a chart shows the run its table reports. Under a
+    raises if it computed or delivered anything different (after each case named in ``checked``).
+    ``setup(case)`` runs untimed before each run (zeroing the destination, copying the buffer in),
+    so every case times the same work and nothing else. Each case reports its best round, and its
+    timeline is the one of that same round (``timeline.elapsed`` holds that round's time), so a
+    chart shows the run its table reports. Under a
     process group every rank must call ``measure`` (as a barrier in ``before`` requires anyway):
     the ranks then agree on one round per case, the one whose slowest rank was fastest, and each
     reports its own time in it, so spans drawn from several ranks belong together.
@@ -125,12 +141,14 @@ def measure(name: str, compute: Run, transfer: Run, sequential: Run, overlapped:
     for _ in range(repeats):
         for key, run in cases.items():
             timeline = Timeline()
+            setup(key)                      # untimed: the same work is timed in every case
             before()
             t0 = time.perf_counter()
             run(timeline)
             before()
             times[key].append(time.perf_counter() - t0)
-            if key == "overlapped":
+            timeline.elapsed = times[key][-1]
+            if key in checked:
                 check()
             if key in rounds:
                 rounds[key].append(timeline)
@@ -200,17 +218,17 @@ def simulated_overlap(target_s: float = 0.05, size: int = 256, copy_mb: float = 
             compute(tl); copy(tl)
 
         def overlapped(tl: Timeline) -> None:
-            dst.zero_()
             device = threading.Thread(target=compute, args=(tl,), name="simulated-device")
             device.start(); copy(tl); device.join()  # the copy runs while the device computes
 
         def check() -> None:
             if not torch.equal(dst, src):
-                raise AssertionError("the overlapped copy delivered different numbers")
+                raise AssertionError("the copy delivered different numbers")
 
         result = measure(f"simulated device: {device_s * 1e3:.1f} ms of compute | copy thread, "
                          f"{copies} x {copy_mb:g} MB", compute, copy, sequential, overlapped,
-                         repeats, check=check)
+                         repeats, check=check, setup=lambda case: dst.zero_(),
+                         checked=("transfer", "sequential", "overlapped"))
     result.timelines = {"compute then copy": result.timelines["sequential"],
                         "compute while copying": result.timelines["overlapped"]}
     result.what = "copy"
@@ -243,17 +261,19 @@ def cpu_overlap(target_s: float = 0.05, size: int = 256, copy_mb: float = 32.0, 
             compute(tl); copy(tl)
 
         def overlapped(tl: Timeline) -> None:
-            dst.zero_()
             th = threading.Thread(target=copy, args=(tl, "copy thread"), name="copy-thread")
             th.start(); compute(tl); th.join()
 
+        def setup(case: str) -> None:  # untimed, before every case: nothing computed or copied yet
+            dst.zero_(); out.pop("y", None)
+
         def check() -> None:
             if not (torch.equal(out["y"], expected) and torch.equal(dst, src)):
-                raise AssertionError("overlapped run computed or copied something different")
+                raise AssertionError("a run computed or copied something different")
 
         result = measure(f"CPU: {compute_steps} matmuls {size}x{size} | copy thread, "
                          f"{copies} x {copy_mb:g} MB", compute, copy, sequential, overlapped,
-                         repeats, check=check)
+                         repeats, check=check, setup=setup, checked=("sequential", "overlapped"))
     result.timelines = {"compute then copy": result.timelines["sequential"],
                         "compute while copying": result.timelines["overlapped"]}
     result.what = "copy"
@@ -281,16 +301,13 @@ def gloo_overlap_worker(numel: int = 2 ** 22, size: int = 256, compute_steps: in
             matmul_loop(x, compute_steps)
 
     def transfer(tl: Timeline) -> None:
-        buf.copy_(grad)
         with tl.span(lane_g, "all-reduce"):
             dist.all_reduce(buf)
-        check()
 
     def sequential(tl: Timeline) -> None:
         compute(tl); transfer(tl)
 
     def overlapped(tl: Timeline) -> None:
-        buf.copy_(grad)
         t0 = time.perf_counter()
         work = dist.all_reduce(buf, async_op=True)  # returns at once; gloo's thread does the work
         compute(tl)
@@ -303,6 +320,7 @@ def gloo_overlap_worker(numel: int = 2 ** 22, size: int = 256, compute_steps: in
 
     result = measure(f"rank {rank}: async all-reduce of {numel * 4 / 2 ** 20:g} MB beside "
                      f"{compute_steps} matmuls", compute, transfer, sequential, overlapped, repeats,
-                     before=dist.barrier, check=check)
+                     before=dist.barrier, check=check, setup=lambda case: buf.copy_(grad),
+                     checked=("transfer", "sequential", "overlapped"))
     result.what = "all-reduce"
     return result

@@ -21,6 +21,7 @@ more; ``fix`` = 'join' or 'equal'), ``unused_parameter`` (a layer the forward sk
 from __future__ import annotations
 
 import re
+import time
 from datetime import timedelta
 
 import torch
@@ -87,6 +88,8 @@ def mismatch(kind: str, timeout_s: float = 5):
             raise ValueError(f"kind={kind!r}: use 'order', 'shape' or 'dtype'")
     except RuntimeError as e:
         result = "error: " + _said(e)
+        if kind == "order":   # keep the connection open while a slower peer reaches its own timeout
+            time.sleep(timeout_s)
     dist.destroy_process_group()
     return result
 

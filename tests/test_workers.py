@@ -88,3 +88,14 @@ def test_the_wait_count_fails_on_a_device_that_is_not_a_queue():
     batches, step = _loop_setup()
     run = training_loop(Inline(), batches, step, 0.0, read_each_step=True)
     assert run.waits == 0 != len(batches)
+
+
+def test_device_queue_runs_jobs_in_the_callers_grad_mode():
+    import torch
+    from d2lpar.infra.workers import DeviceQueue
+    lin = torch.nn.Linear(3, 2)
+    with DeviceQueue("q") as q:
+        with torch.no_grad():
+            off = q.submit(lin, torch.ones(1, 3)).result()
+        on = q.submit(lin, torch.ones(1, 3)).result()
+    assert not off.requires_grad and on.requires_grad

@@ -69,6 +69,8 @@ class DeviceQueue:
 
     ``core`` pins the worker to one CPU core where the OS allows it (Linux); ``timeline`` (shared by
     several queues) receives one span per job, labelled with ``label`` or the function's name.
+    Grad mode is thread-local in PyTorch (``torch.no_grad()`` holds only for the thread that
+    entered it), so ``submit`` records the caller's mode and the worker runs the job under it.
     Use as a context manager, or call ``close()``.
     """
 
@@ -89,12 +91,13 @@ class DeviceQueue:
             item = self._jobs.get()
             if item is _STOP:
                 return
-            future, fn, args, kwargs, label = item
+            future, fn, args, kwargs, label, grad = item
             if not future.set_running_or_notify_cancel():
                 continue
             start = time.perf_counter()
             try:
-                result = fn(*args, **kwargs)
+                with torch.set_grad_enabled(grad):  # the caller's grad mode, not this thread's
+                    result = fn(*args, **kwargs)
             except BaseException as exc:  # handed to whoever waits on the future
                 future.set_exception(exc)
             else:
@@ -108,13 +111,14 @@ class DeviceQueue:
         if not self._thread.is_alive():
             raise RuntimeError(f"DeviceQueue {self.name!r} is closed: make a new one")
         future: Future = Future()
-        self._jobs.put((future, fn, args, kwargs, label or getattr(fn, "__name__", "job")))
+        self._jobs.put((future, fn, args, kwargs, label or getattr(fn, "__name__", "job"),
+                        torch.is_grad_enabled()))
         return future
 
     def synchronize(self) -> None:
         """Wait until every job queued so far has finished (errors surface in their futures)."""
         done = threading.Event()
-        self._jobs.put((Future(), done.set, (), {}, None))  # label None: not drawn
+        self._jobs.put((Future(), done.set, (), {}, None, False))  # label None: not drawn
         if not done.wait(self.timeout):
             raise TimeoutError(f"DeviceQueue {self.name!r} did not drain within {self.timeout} s: "
                                "a job is stuck or too long; raise timeout= or make the job smaller")

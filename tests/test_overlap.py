@@ -183,3 +183,28 @@ def test_measure_under_a_group_draws_one_round_on_every_rank():
     out = launch(worker, 2, timeout=60)
     assert [labels for labels, _ in out] == [["round wait 0.01"]] * 2
     assert all(0.009 < t < 0.045 for _, t in out)
+
+
+def test_measure_runs_setup_untimed_and_keeps_each_rounds_time():
+    import time
+    from d2lpar.comm.overlap import measure
+    calls = []
+    nap = lambda tl: None  # noqa: E731
+
+    def slow_setup(case):
+        calls.append(case)
+        time.sleep(0.02)  # must not be counted
+
+    r = measure("t", nap, nap, nap, nap, repeats=2, setup=slow_setup)
+    assert calls == ["compute", "transfer", "sequential", "overlapped"] * 2
+    assert max(r.compute, r.transfer, r.sequential, r.overlapped) < 0.01
+    assert r.timelines["overlapped"].elapsed == r.overlapped
+    assert r.timelines["sequential"].elapsed == r.sequential
+
+
+def test_table_flags_a_sequential_run_far_from_compute_plus_transfer():
+    from d2lpar.comm.overlap import OverlapResult
+    flagged = OverlapResult("t", 0.03, 0.02, 0.10, 0.04).table()
+    assert "measured sequential" in flagged and "saw different load" in flagged
+    assert "saw different load" not in OverlapResult("t", 0.03, 0.02, 0.05, 0.04).table()
+    assert all(len(line) <= 100 for line in flagged.splitlines())

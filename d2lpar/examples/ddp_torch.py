@@ -1,23 +1,26 @@
-"""DistributedDataParallel training in one file, torch only: copy it into a project and edit it.
+r"""DistributedDataParallel training in one file, torch only: copy it into a project and edit it.
 
 torch only: no d2lpar. Synthetic data from a fixed seed (runs compare weight for weight): put your
 own data and model in ``make_data_and_model``. On CPUs (gloo) or a GPU per process (NCCL), as is:
 
     python ddp_torch.py --out ckpt                                    # one plain process
     torchrun --standalone --nproc-per-node=2 ddp_torch.py --out ckpt  # one node, 2 processes
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=2 --nproc-per-node=8 \\
-        --rdzv-backend=c10d --rdzv-endpoint=HOST0:29400 --rdzv-id=job42 --max-restarts=3 \\
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=2 --nproc-per-node=8 \
+        --rdzv-backend=c10d --rdzv-endpoint=HOST0:29400 --rdzv-id=job42 --max-restarts=3 \
         ddp_torch.py --out ckpt                                       # the same line on every node
-    MASTER_ADDR=HOST0 MASTER_PORT=29500 srun --ntasks-per-node=8 --gpus-per-task=1 \\
+    MASTER_ADDR=HOST0 MASTER_PORT=29500 srun --ntasks-per-node=8 --gpus-per-task=1 \
         python ddp_torch.py --out ckpt                                # one task per GPU
 
 (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torch 2.14.1, restarted workers could otherwise read
 the dead workers' addresses from a shared store and fail or hang; pytorch/pytorch#135712.)
+--out must be one folder that every node sees: every rank resumes from the same last.pt, and
+ranks that find different epochs there stop with one sentence.
 
-The device (``choose_device``): a process that sees exactly one GPU uses cuda:0 (SLURM's
-``--gpus-per-task=1`` or ``CUDA_VISIBLE_DEVICES``); one that sees at least one GPU per process on
-its node uses cuda:LOCAL_RANK; one that sees some GPUs but fewer stops and says so; without CUDA,
-or with ``--cpu``, gloo on the CPU (rank 0 says which it chose).
+The device (``choose_device``): under torchrun, whose workers on a node all see the same GPUs, each
+takes cuda:LOCAL_RANK when the node has a GPU per worker, and stops with one sentence when it has
+fewer (two workers on one GPU is what NCCL refuses). A process started otherwise (srun) that sees
+exactly one GPU uses cuda:0 (SLURM's ``--gpus-per-task=1``, or a per-process
+``CUDA_VISIBLE_DEVICES``). Without CUDA, or with ``--cpu``, gloo on the CPU. Rank 0 says which.
 
 The path: environment -> set_device -> init_process_group -> DDP -> DistributedSampler with
 set_epoch -> rank 0 saves model.module -> barrier -> destroy_process_group. ``--batch-size`` is the
@@ -30,7 +33,6 @@ import gc
 import os
 import sys
 import tempfile
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -126,8 +128,10 @@ def main(argv=None) -> None:
         print(f"rank 0 of {world}: {why}", flush=True)
     if world > 1:  # rank and world_size go together; env:// reads MASTER_ADDR and MASTER_PORT
         gpu = device if device.type == "cuda" else None  # device_id: NCCL binds this GPU at once
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=2),
-                                device_id=gpu)
+        # timeout: torch's default (10 min with NCCL, 30 with gloo). It bounds every collective,
+        # not only the start: a rank-0 save longer than it, while the others wait in the barrier,
+        # kills the job; pass a longer timedelta for large models on a slow file system.
+        dist.init_process_group(backend, rank=rank, world_size=world, device_id=gpu)
     try:
         train(args, rank, world, device)
         if world > 1:
@@ -149,6 +153,13 @@ def train(args, rank: int, world: int, device: torch.device) -> None:
         optimizer.load_state_dict(state["optimizer"])
         start = state["epoch"] + 1
         print(f"rank {rank}: resumed after epoch {start} from {path}", flush=True)
+    if world > 1:  # every rank must resume from the same epoch, or they deadlock later
+        first_last = torch.tensor([start, -start], device=device)
+        dist.all_reduce(first_last, op=dist.ReduceOp.MAX)  # the latest and (minus) the earliest
+        if first_last[0].item() != -first_last[1].item():
+            raise Usage(f"the ranks found checkpoints of different epochs in --out {args.out} "
+                        f"(this rank: {start} epoch(s) done): give a folder that "
+                        f"every node sees, or an empty one")
     ids = [device.index] if device.type == "cuda" else None  # the one GPU of this process
     model = DDP(net, device_ids=ids) if world > 1 else net  # DDP whenever world > 1, GPUs or not
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
@@ -168,11 +179,24 @@ def train(args, rank: int, world: int, device: torch.device) -> None:
             print(f"rank 0 of {world} ({device}): epoch {epoch + 1}, mean loss "
                   f"{total.item() / (len(loader) * world):.4f}", flush=True)
             plain = model.module if world > 1 else model  # names without DDP's "module." prefix
-            torch.save({"model": plain.state_dict(), "optimizer": optimizer.state_dict(),
-                        "epoch": epoch}, path + ".tmp")
-            os.replace(path + ".tmp", path)  # atomic: a crash leaves the old file or the new one
+            save_atomically({"model": plain.state_dict(), "optimizer": optimizer.state_dict(),
+                             "epoch": epoch}, path)
         if world > 1:
             dist.barrier()  # nobody goes on (or exits) before the checkpoint is complete
+
+
+def save_atomically(state: dict, path: str) -> None:
+    """A crash at any moment leaves the old file or the new one, never a half-written one."""
+    with open(path + ".tmp", "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+    os.replace(path + ".tmp", path)  # atomic on POSIX file systems
+    folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(folder)  # and the rename itself survives a power cut
+    finally:
+        os.close(folder)
 
 
 if __name__ == "__main__":

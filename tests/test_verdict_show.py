@@ -33,6 +33,8 @@ def test_a_busy_machine_is_named_only_when_something_did_not_hide(monkeypatch):
 def test_compare_and_agreement_verdicts():
     assert compare_verdict("two", 1.02, "one", 1.0).startswith("two and one took the same time")
     assert compare_verdict("two", 0.5, "one", 1.0).startswith("two took 0.50x the time of one (less")
+    wide = compare_verdict("k=4", 0.85, "k=1", 1.0, spread=0.9)
+    assert wide == "k=4 took 0.85x the time of k=1: no difference shown beyond the run-to-run spread of 90%"
     assert "agrees" in agreement_verdict("bubble", 0.31, 0.30, 0.02)
     assert "is above the prediction" in agreement_verdict("bubble", 0.35, 0.30, 0.02)
     with pytest.raises(ValueError, match="positive times"):

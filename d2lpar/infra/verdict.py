@@ -5,10 +5,11 @@ wrong on a busy one. The course prints such conclusions instead, from the figure
 so that what the reader sees always agrees with the numbers above it. Each function returns one line.
 
 * ``overlap_verdict(overlapped, a, b)``: two jobs of times a and b run together in ``overlapped``;
-  the limit is max(a, b) (perfect overlap), one after the other is a + b. The verdict reads the
-  ratio r = overlapped / max(a, b) against that range, and the share of the shorter job that hid:
-  hidden = (a + b - overlapped) / min(a, b). Below the limit (r < 1) no overlap explains it: the
-  cases were timed under different load, and the verdict says so. Where less than the whole of
+  the limit is max(a, b) (perfect overlap), one after the other is their sum a + b. The verdict
+  reads the share of the shorter job that hid, hidden = (a + b - overlapped) / min(a, b): at least
+  85 % is "overlapped", at most 15 % "no overlap", in between "partly"; it prints the ratio
+  r = overlapped / max(a, b) and the sum's ratio beside it. Well below the limit (r < 0.85) no
+  overlap explains it: the cases were timed under different load, and the verdict says so. Where less than the whole of
   the shorter job hid and the machine is busy (a one-minute load average above 0.75 per core), the
   verdict adds that the machine was too busy to show the mechanism: a rank that waits for a core
   cannot overlap anything.
@@ -33,21 +34,20 @@ def hidden_fraction(overlapped: float, a: float, b: float) -> float:
 def overlap_verdict(overlapped: float, a: float, b: float, what: str = "transfer",
                     behind: str = "compute", close: float = 0.15) -> str:
     """One line on how much of the shorter of ``what`` (time b) and ``behind`` (time a) hid behind
-    the longer one in this run.
+    the longer one in this run, read from the share of the shorter job that hid.
 
-    ``close``: within this fraction above the limit counts as fully overlapped (timer noise).
+    ``close``: a share this close to all (or to none) counts as all (or none): timer noise.
     """
     limit, serial = max(a, b), a + b
     ratio, hidden = overlapped / limit, hidden_fraction(overlapped, a, b)
-    figures = f"({ratio:.2f}x the limit; in sequence {serial / limit:.2f}x)"
+    figures = f"({ratio:.2f}x the limit; their sum {serial / limit:.2f}x)"
     if ratio < 1 - close:   # less than the longer part alone: the runs did not see the same machine
         return f"below the limit {figures}: the cases ran under different load; time them again"
-    if ratio <= 1 + close:
+    if hidden >= 1 - close:
         short, long = (what, behind) if b <= a else (behind, what)
         return f"overlapped {figures}: the {short} hid behind the {long}"
-    if hidden <= 0.15:
-        return (f"no overlap in this run {figures}: as long as one after the other"
-                + busy_clause())
+    if hidden <= close:
+        return f"no overlap in this run {figures}: as long as one after the other" + busy_clause()
     return f"partly overlapped {figures}: {hidden:.0%} of the shorter one hid" + busy_clause()
 
 

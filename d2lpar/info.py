@@ -18,8 +18,9 @@ def machine_report() -> str:
     lines = []
     total, usable = os.cpu_count() or 1, cores()
     lines.append(f"Python {platform.python_version()} on {platform.system()} {platform.machine()}")
-    lines.append(f"CPU cores: {usable} usable of {total}; torch uses {torch.get_num_threads()} "
-                 "compute threads")
+    threads = torch.get_num_threads()
+    lines.append(f"CPU cores: {usable} usable of {total}; torch uses {threads} compute "
+                 + ("thread" if threads == 1 else "threads"))
     lines.append(f"torch {torch.__version__} (CUDA build: {torch.version.cuda or 'no'})")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     lines.append(f"CUDA_VISIBLE_DEVICES: {visible!r}" if visible is not None

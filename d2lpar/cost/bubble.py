@@ -43,7 +43,8 @@ FORMULAS = {
 
 
 def idle_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
-    """Each rank's idle fraction of a step, equal stage times (ZB-H1: tF = tI = tW; others: any tF, tB)."""
+    """Each rank's idle fraction of a step, equal stage times (ZB-H1: tF = tI = tW; others: any
+    tF, tB)."""
     if schedule == "naive":
         m = 1
     if schedule in ("naive", "GPipe", "1F1B"):
@@ -89,10 +90,11 @@ def ordering_claims(bubbles: dict[str, float], measured: bool = False) -> list[t
     return claims
 
 
-def against_simulator(ps=(2, 4, 8), ms=(1, 4, 8, 16, 32), make=None) -> tuple[list[list], list[str]]:
-    """(rows, mismatches): per (p, m) the simulated idle fraction of GPipe, 1F1B, interleaved (v = 2,
-    None unless p divides m) and ZB-H1 with tF = tI = tW = tB / 2, and every entry that is not the
-    formula. ``make(name, p, m, v)`` builds the schedule (default: d2lpar's generators)."""
+def against_simulator(ps=(2, 4, 8), ms=(1, 4, 8, 16, 32),
+                      make=None) -> tuple[list[list], list[str]]:
+    """(rows, mismatches): per (p, m) the simulated idle fraction of GPipe, 1F1B, interleaved
+    (v = 2, None unless p divides m) and ZB-H1 with tF = tI = tW = tB / 2, and every entry that is
+    not the formula. ``make(name, p, m, v)`` builds the schedule (default: d2lpar's generators)."""
     from d2lpar.strategies.pipeline.schedules import make_schedule
     from d2lpar.strategies.pipeline.simulator import simulate
     make = make or make_schedule

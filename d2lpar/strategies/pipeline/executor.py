@@ -272,7 +272,8 @@ def run_schedule(schedule: Schedule, modules: dict[int, nn.Module], X: torch.Ten
         if schedule.rank_of(to_stage) == rank:
             local[tag] = t
         else:
-            works.append((dist.isend(t.contiguous(), ranks[schedule.rank_of(to_stage)], tag=tag), t))
+            dst = ranks[schedule.rank_of(to_stage)]
+            works.append((dist.isend(t.contiguous(), dst, tag=tag), t))
 
     def source(a):
         """(shape, dtype, from stage, tag) of the message action ``a`` waits for, or None."""

@@ -109,7 +109,9 @@ def _check(p: int, m: int) -> None:
 
 
 def gpipe(p: int, m: int) -> Schedule:
-    """All forwards, then all backwards (Huang et al. 2019): every stage holds m micro-batches."""
+    """All forwards, then all backwards (Huang et al. 2019). Without the paper's re-materialization
+    (its section 2.3: keep each micro-batch's stage input, recompute the rest in the backward),
+    every stage holds m micro-batches."""
     _check(p, m)
     order = [[Action(r, "F", i) for i in range(m)] + [Action(r, "B", i) for i in range(m)]
              for r in range(p)]

@@ -39,9 +39,10 @@ class Simulation:
         return sum(self.idle) / len(self.idle)
 
 
-def simulate(s: Schedule, durations: dict[str, float] | None = None, stage_scale: list[float] | None = None,
+def simulate(s: Schedule, durations: dict[str, float] | None = None,
+             stage_scale: list[float] | None = None,
              latency: float = 0.0, overhead: float = 0.0) -> Simulation:
-    """Play the schedule: each rank runs its actions in order, each as soon as its inputs have arrived.
+    """Play the schedule: each rank runs its actions in order, each as soon as its inputs arrived.
 
     durations: time per action kind, default F=1, B=2, I=1, W=1 (a backward costs two forwards);
     stage_scale: a factor per stage (a slower stage); latency: added to every message between ranks;
@@ -55,7 +56,9 @@ def simulate(s: Schedule, durations: dict[str, float] | None = None, stage_scale
     tl = Timeline()
     started = [False] * s.ranks
     for r, a, deps in play_order(s):
-        ready = max([free[r] + (overhead if started[r] else 0.0)] + [end[n] + (latency if s.rank_of(n.stage) != r else 0.0) for n in deps])
+        ready = max([free[r] + (overhead if started[r] else 0.0)]   # the rank is free, and
+                    + [end[n] + (latency if s.rank_of(n.stage) != r else 0.0)   # every input
+                       for n in deps])                                         # has arrived
         end[a] = ready + d[a.kind] * scale[a.stage]
         tl.add(f"rank {r}", str(a), ready, end[a])
         free[r], started[r] = end[a], True

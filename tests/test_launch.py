@@ -353,11 +353,21 @@ def test_a_long_run_shows_its_progress_while_it_runs(no_strays, capsys):
 
     assert launch(slow, 2, progress=0.5) == ["done", "done"]
     out = capsys.readouterr().out
-    line = next(ln for ln in out.splitlines() if ln.startswith("launch: still running"))
-    assert re.fullmatch(r"launch: still running after \d+ s: rank\(s\) 0, 1 of 2; "
-                        r"rank 0 last printed: step 1 of 2", line), out
+    lines = out.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("launch: still running"))
+    assert re.fullmatch(r"launch: still running after \d+ s: rank\(s\) 0, 1 of 2", lines[at]), out
+    assert lines[at + 1] == "  rank 0 last printed: step 1 of 2", out
     assert launch(slow, 2, progress=None) == ["done", "done"]
     assert "still running" not in capsys.readouterr().out
+
+
+def test_a_progress_line_is_cut_at_a_word_within_100_characters():
+    from d2lpar.processes.launch import progress_line
+    text = progress_line(13.2, set(range(8)), 8, "epoch 2: train loss 0.4512, test loss 0.3929, "
+                         "test accuracy 0.9091 on 121 images, the last of the run's evaluation")
+    first, second = text.splitlines()
+    assert first == "launch: still running after 13 s: rank(s) 0, 1, 2, 3, 4, 5, 6, 7 of 8"
+    assert len(second) <= 100 and second.endswith(" ...") and "accuracy" in second
 
 
 def _alive(pid: int) -> bool:

@@ -51,6 +51,7 @@ import multiprocessing.connection
 import os
 import signal
 import socket
+import textwrap
 import time
 from datetime import timedelta
 from typing import Any, Callable
@@ -299,10 +300,14 @@ PROGRESS_EVERY = 5.0   # seconds between two progress lines, after the first
 
 
 def progress_line(elapsed: float, pending: set[int], world_size: int, last: str) -> str:
-    """``launch: still running after 6 s: ranks 0, 1 of 4; rank 0 last printed: step 3``."""
+    """``launch: still running after 6 s: rank(s) 0, 1 of 4``, and on a second line what the
+    first of them last printed, shortened at a word (each line within 100 characters)."""
     ranks = ", ".join(str(r) for r in sorted(pending))
-    said = f"; rank {min(pending)} last printed: {last[:50]}" if last else ""
-    return f"launch: still running after {elapsed:.0f} s: rank(s) {ranks} of {world_size}{said}"
+    line = f"launch: still running after {elapsed:.0f} s: rank(s) {ranks} of {world_size}"
+    if not last:
+        return line
+    head = f"  rank {min(pending)} last printed: "
+    return line + "\n" + head + textwrap.shorten(last, 100 - len(head), placeholder=" ...")
 
 
 def _last_line(logs, rank: int) -> str:

@@ -34,7 +34,8 @@ from d2lpar.strategies.sharded.zero import model_state_bytes, sent_bytes
 
 __all__ = ["Model", "Cluster", "Layout", "Plan", "memory", "step_time", "evaluate", "plan", "describe",
            "layouts", "model_flops_per_step", "check_cluster", "by_degrees", "why_lost", "PRECISIONS",
-           "check_layout", "MODELS", "CLUSTERS", "main"]
+           "check_layout", "MODELS", "CLUSTERS", "main", "MAX_MICRO", "korthikanti_layer_bytes",
+           "zero3_per_microbatch", "repriced"]
 
 GB = 1e9
 
@@ -240,13 +241,60 @@ def evaluate(model: Model, cluster: Cluster, lay: Layout) -> Plan:
     return Plan(lay, mem, step_time(model, cluster, lay), sum(mem.values()) <= cluster.memory_gb * GB)
 
 
+def korthikanti_layer_bytes(b: int, s: int, h: int, a: int, t: int, checkpoint: str, sp: bool) -> float:
+    """Bytes of 16-bit activations one transformer layer saves per micro-batch on a tensor rank,
+    Korthikanti et al. 2022, Table 2: without sequence parallelism sbh(10 + 24/t + 5as/(ht)) (the
+    layer's input, its LayerNorms and dropouts stay whole on every rank), with it sbh/t(34 + 5as/h);
+    selective recomputation drops the attention core's 5as/(ht) term, full recomputation keeps the
+    layer's input only (2sbh, over t with sequence parallelism)."""
+    if checkpoint == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    core = 5 * a * s / (h * t) if checkpoint == "none" else 0.0
+    return s * b * h * ((34 / t if sp else 10 + 24 / t) + core)
+
+
+def zero3_per_microbatch(p: Plan, model: Model, cluster: Cluster) -> dict[str, float]:
+    """``p``'s step with ZeRO-3's gathers and reduce-scatter paid in every micro-batch (m times the
+    traffic ``step_time`` prices once per step), the backward passes hiding what they can."""
+    t = dict(p.time)
+    if p.layout.zero == 3 and p.layout.dp > 1:
+        once = step_time(model, cluster, p.layout, dp_overlap=False)["data"]
+        t["data"] = max(0.0, p.layout.micro * once - t["compute"] * 2 / 3)
+    return t
+
+
+def repriced(p: Plan, model: Model, cluster: Cluster, sp: bool | None = False) -> Plan:
+    """``p`` with ZeRO-3's traffic per micro-batch and, unless ``sp`` is None, its activation memory
+    by Korthikanti et al.'s Table 2 (``sp``: with sequence parallelism) in place of the planner's."""
+    mem = dict(p.memory)
+    lay = p.layout
+    if sp is not None:
+        b, s, h = model.batch // (lay.dp * lay.micro), model.seq, model.d
+        layers = math.ceil(model.layers / lay.pp)
+        in_flight = peak_microbatches("1F1B", lay.pp, lay.micro)[0]
+        per = korthikanti_layer_bytes(b, s, h, model.heads, lay.tp, lay.checkpoint, sp)
+        act = layers * per * in_flight
+        if lay.checkpoint == "full":    # one layer recomputed at a time holds all it saves
+            act += korthikanti_layer_bytes(b, s, h, model.heads, lay.tp, "none", sp)
+        if lay.pp == 1:   # final LayerNorm, the output layer's input, its logits (the planner's terms)
+            act += _bytes(model)["act"] * (2 * b * s * h + 2 * b * s + b * s * model.vocab)
+        mem["activations"] = act
+    return Plan(lay, mem, zero3_per_microbatch(p, model, cluster),
+                sum(mem.values()) <= cluster.memory_gb * GB)
+
+
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def layouts(model: Model, cluster: Cluster, micro=(1, 2, 4, 8, 16, 32, 64),
-            checkpoints=("none", "selective", "full"), zeros=(0, 1, 2, 3), max_tp: int | None = None):
-    """Every layout to try; tensor parallelism stays inside a node unless ``max_tp`` allows more."""
+MAX_MICRO = 128   # the most micro-batches per step the search tries
+
+
+def layouts(model: Model, cluster: Cluster, micro=None, checkpoints=("none", "selective", "full"),
+            zeros=(0, 1, 2, 3), max_tp: int | None = None):
+    """Every layout to try; tensor parallelism stays inside a node unless ``max_tp`` allows more.
+    Micro-batch counts: every divisor of a data-parallel rank's batch up to ``MAX_MICRO``, unless
+    ``micro`` lists the counts to try."""
     for tp in _divisors(cluster.gpus):
         if tp > (max_tp or cluster.gpus_per_node) or model.heads % tp or model.d % tp or model.f % tp:
             continue
@@ -254,7 +302,9 @@ def layouts(model: Model, cluster: Cluster, micro=(1, 2, 4, 8, 16, 32, 64),
             dp = cluster.gpus // (tp * pp)
             if pp > model.layers:
                 continue
-            for m in micro:
+            counts = micro or [m for m in _divisors(model.batch // dp) if m <= MAX_MICRO] \
+                if model.batch % dp == 0 else ()
+            for m in counts:
                 if model.batch % (dp * m):
                     continue
                 for z in zeros:

@@ -67,16 +67,16 @@ def test_traffic_counts_both_directions_the_same_way():
     P, k, X, Y = 4_000_000, 4, 1_000_000, 10_000
     t = ndp.traffic_per_step(P, k, X, Y)
     ring = 2 * 3 * P // 4
-    assert t["DDP"] == {"every device": (ring, ring)}
+    assert t["DDP"] == {"every device": (ring, ring + X // 4)}                # its own X/k too
     s = 3 * X // 4, 3 * Y // 4
-    assert t["DataParallel"]["device 0"] == (P + s[0] + s[1], P + s[1])       # NCCL: P each way
+    assert t["DataParallel"]["device 0"] == (P + s[0] + s[1], P + s[1] + X)   # NCCL: P each way
     assert t["DataParallel"]["another device"] == (2 * P + Y // 4, 2 * P + X // 4 + Y // 4)
     slow = ndp.traffic_per_step(P, k, X, Y, nccl=False)
-    assert slow["DataParallel"]["device 0"] == (3 * P + s[0] + s[1], 3 * P + s[1])
+    assert slow["DataParallel"]["device 0"] == (3 * P + s[0] + s[1], 3 * P + s[1] + X)
     host = ndp.traffic_per_step(P, k, X, Y, inputs_from_host=True)
     assert host["DataParallel"]["device 0"] == (P + s[1], P + s[1] + X // 4)
     assert ndp.busiest(t["DataParallel"]) == 2 * P + X // 4 + Y // 4   # a relay in the chain
-    assert ndp.busiest(t["DDP"]) == ring
+    assert ndp.busiest(t["DDP"]) == ring + X // 4
     two = ndp.traffic_per_step(P, 2, X, Y)["DataParallel"]["another device"]
     assert two == (P + Y // 2, P + X // 2 + Y // 2)                           # end of the chain
 
@@ -94,3 +94,47 @@ def test_simulated_counts_match_the_no_nccl_formula():
     assert wrapped.moved["gather"] == 3 * out.numel() * 4 // 4
     sent = t["DataParallel"]["device 0"][0]
     assert sent == wrapped.moved["replicate"] + wrapped.moved["scatter"] + wrapped.moved["gather"]
+
+
+def test_phases_add_for_dataparallel():
+    P, k, X, Y = 4_000_000, 4, 1_000_000, 10_000
+    ph = ndp.phases_per_step(P, k, X, Y)
+    s_x, s_y = 3 * X // 4, 3 * Y // 4
+    assert [b for _, b in ph["DataParallel"]] == [X, P + s_x, s_y, s_y, P]
+    assert [b for _, b in ph["DDP"]] == [X // 4, 2 * 3 * P // 4]
+    slow = ndp.phases_per_step(P, k, X, Y, nccl=False)["DataParallel"]
+    assert [b for _, b in slow] == [X, 3 * P + s_x, s_y, s_y, 3 * P]
+    host = ndp.phases_per_step(P, k, X, Y, inputs_from_host=True)["DataParallel"]
+    assert [b for _, b in host] == [X // 4, P, s_y, s_y, P]
+
+
+def test_simulated_splits_as_torch_does():
+    assert ndp.torch_chunk_sizes(10, 4) == [3, 3, 3, 1]
+    assert ndp.torch_chunk_sizes(5, 4) == [2, 2, 1]
+    assert ndp.torch_chunk_sizes(12, 3) == [4, 4, 4]
+    net = lenet(seed=0)
+    wrapped = ndp.SimulatedDataParallel(net, get_devices(4))
+    X = torch.rand(5, 1, 28, 28)
+    check_close("5 examples on 4 simulated devices", wrapped(X), lenet(seed=0)(X))
+    assert "(1 device(s) unused)" in wrapped.trace[1]
+
+
+def test_simulated_counts_the_backward_bytes():
+    net = lenet(seed=0)
+    wrapped = ndp.SimulatedDataParallel(net, get_devices(4))
+    out = wrapped(torch.rand(16, 1, 28, 28))
+    assert wrapped.moved["reduce"] == wrapped.moved["output gradients"] == 0
+    out.sum().backward()
+    P = 4 * sum(p.numel() for p in net.parameters())
+    assert wrapped.moved["reduce"] == 3 * P
+    assert wrapped.moved["output gradients"] == wrapped.moved["gather"] == 3 * out.numel()
+
+
+def test_balanced_scatter_is_the_classs_own():
+    from unittest import mock
+    from torch.nn.parallel._functions import Scatter
+    wrapped = ndp.BalancedDataParallel(2, lenet(seed=0), dim=0)
+    with mock.patch.object(Scatter, "apply", lambda ids, sizes, dim, x: x.split(list(sizes), dim)):
+        inputs, kwargs = wrapped.scatter((torch.rand(12, 3), 7), {"a": 1}, [0, 1, 2])
+    assert [len(a[0]) for a in inputs] == [2, 5, 5] and [a[1] for a in inputs] == [7] * 3
+    assert kwargs == [{"a": 1}] * 3

@@ -18,8 +18,8 @@ from d2lpar.infra.devices import get_devices, gpu_count
 from d2lpar.infra.models import count_parameters, lenet, small_resnet
 from d2lpar.infra.paths import build_dir
 from d2lpar.strategies.data.data_parallel import balanced_sizes
-from d2lpar.strategies.data.nn_dataparallel import (SimulatedDataParallel, best_gpu0_bsz, busiest,
-                                               memory_per_device, traffic_per_step)
+from d2lpar.strategies.data.nn_dataparallel import (SimulatedDataParallel, best_gpu0_bsz,
+                                               memory_per_device, phases_per_step)
 
 torch.set_num_threads(1)
 MB = 2**20
@@ -73,9 +73,9 @@ def _predict(model_fn, batch, k, gpus):
     flops_part, ops = cm.training_work(model_fn(), X, y)  # one device's share; FLOPs grow with the batch
     flops_one = flops_part * k
     gpu, link = cm.GPUS["V100, FP32"], gpus.device_link
-    traffic = traffic_per_step(4 * count_parameters(model_fn()), k, batch * 28 * 28 * 4, batch * 10 * 4)
-    through = busiest(traffic["DataParallel"])       # the busier direction of the busiest device
-    return gpu.time(flops_one, ops), gpu.time(flops_part, ops) + link.time(through)
+    phases = phases_per_step(4 * count_parameters(model_fn()), k, batch * 28 * 28 * 4, batch * 10 * 4)
+    on_link = sum(link.time(b) for _, b in phases["DataParallel"])   # its phases run in sequence
+    return gpu.time(flops_one, ops), gpu.time(flops_part, ops) + on_link
 
 
 def _time_on_gpus(model_fn, batch, k):

@@ -4,15 +4,18 @@ Every forward of ``nn.DataParallel(module, device_ids, output_device)``:
 
 1. **replicate** the module's parameters and buffers from ``device_ids[0]`` to every device (on
    every step: the copies are thrown away afterwards);
-2. **scatter** the input along dimension 0 into one chunk per device;
+2. **scatter** the input along dimension 0 with ``Tensor.chunk`` semantics (chunks of
+   ceil(B/k) examples: 10 on 4 devices is 3, 3, 3, 1; 5 on 4 is 2, 2, 1 and only 3 devices are
+   used, ``device_ids[:len(inputs)]``);
 3. **parallel_apply**: each replica runs on its chunk, one Python thread per device;
 4. **gather** the outputs on ``output_device`` (default ``device_ids[0]``).
 
 Backward runs these in reverse, so the replicas' gradients are *summed onto device_ids[0]*, the
 only copy the optimizer updates. On GPUs the replicate is ``comm.broadcast_coalesced`` and the sum
 ``comm.reduce_add`` (NCCL broadcast and reduce when NCCL is there, a loop of copies otherwise);
-``traffic_per_step`` counts the bytes both ways. ``moved`` counts the forward's bytes on the tensors. On a machine without a GPU ``nn.DataParallel`` just calls the
-module. ``SimulatedDataParallel`` takes the same four steps on any devices, simulated CPU devices
+``traffic_per_step`` counts the bytes both ways and ``phases_per_step`` the bytes of each phase
+that runs after the other. ``moved`` counts the forward's bytes on the tensors. On a machine
+without a GPU ``nn.DataParallel`` just calls the module. ``SimulatedDataParallel`` takes the same four steps on any devices, simulated CPU devices
 included, so they can be watched; its gradients flow back to the one original module exactly as
 ``nn.DataParallel``'s do.
 
@@ -42,7 +45,7 @@ from d2lpar.infra.activations import saved_activation_bytes
 
 __all__ = ["SimulatedDataParallel", "BalancedDataParallel", "strip_module_prefix", "unwrap",
            "model_bytes", "memory_per_device", "best_gpu0_bsz", "traffic_per_step",
-           "busiest"]
+           "busiest", "torch_chunk_sizes", "phases_per_step"]
 
 
 def strip_module_prefix(state_dict: dict) -> dict:
@@ -51,17 +54,29 @@ def strip_module_prefix(state_dict: dict) -> dict:
     return {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in state_dict.items()}
 
 
+def torch_chunk_sizes(batch: int, n: int) -> list[int]:
+    """The chunks ``nn.DataParallel``'s scatter makes of a batch for n devices: ``Tensor.chunk``.
+
+    Chunks of ceil(batch / n) examples, the last one shorter, and fewer than n chunks when the
+    batch runs out first (torch then uses only ``device_ids[:len(chunks)]``).
+    """
+    return [len(c) for c in torch.arange(batch).chunk(n)]
+
+
 def _chunk_sizes(batch: int, n: int, gpu0_bsz: int | None, weights) -> list[int]:
     if gpu0_bsz is not None:
         return balanced_sizes(batch, n, gpu0_bsz)
-    return split_sizes(batch, n, weights=weights)
+    if weights is not None:
+        return split_sizes(batch, n, weights=weights)
+    return torch_chunk_sizes(batch, n)
 
 
 class SimulatedDataParallel(nn.Module):
     """``nn.DataParallel``'s replicate / scatter / parallel_apply / gather, on any devices.
 
-    ``gpu0_bsz`` gives device 0 that many examples (the balanced variant); ``weights`` splits in
-    proportion instead. ``trace`` keeps a list of lines describing the last forward.
+    By default it splits the batch as torch does (``torch_chunk_sizes``: 10 on 4 devices is
+    3, 3, 3, 1, and 5 on 4 uses 3 devices); ``gpu0_bsz`` gives device 0 that many examples (the
+    balanced variant); ``weights`` splits in proportion instead. ``trace`` keeps a list of lines describing the last forward.
     """
 
     def __init__(self, module: nn.Module, devices: Sequence[torch.device],
@@ -75,33 +90,54 @@ class SimulatedDataParallel(nn.Module):
         self.moved: dict[str, int] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n, t = len(self.devices), []
+        t = []
         state = dict(self.module.named_parameters())
         state.update(self.module.named_buffers())
         nbytes = sum(v.numel() * v.element_size() for v in state.values())
+        # 2. (first, as torch does) scatter: a short batch may fill fewer chunks than devices,
+        # and only the devices that get a chunk are used
+        sizes = _chunk_sizes(len(x), len(self.devices), self.gpu0_bsz, self.weights)
+        used = self.devices[:len(sizes)]
+        n = len(used)
+        xs = split_batch(x, None, used, sizes=sizes)
         # 1. replicate: .to() is differentiable, so gradients come back to the original tensors.
-        copies = [{k: v.to(d) for k, v in state.items()} for d in self.devices]
-        t.append(f"replicate      {nbytes} bytes of parameters from {self.devices[0]} to each of "
+        copies = [{k: v.to(d) for k, v in state.items()} for d in used]
+        t.append(f"replicate      {nbytes} bytes of parameters from {used[0]} to each of "
                  f"{n - 1} other device(s)")
-        # 2. scatter
-        sizes = _chunk_sizes(len(x), n, self.gpu0_bsz, self.weights)
-        xs = split_batch(x, None, self.devices, sizes=sizes)
         t.append(f"scatter        batch {tuple(x.shape)} -> " +
-                 ", ".join(f"{d}: {tuple(c.shape)}" for d, c in zip(self.devices, xs)))
+                 ", ".join(f"{d}: {tuple(c.shape)}" for d, c in zip(used, xs)) +
+                 (f" ({len(self.devices) - n} device(s) unused)" if n < len(self.devices) else ""))
         # 3. parallel_apply (threads on GPUs; simulated devices take turns)
         outs = [functional_call(self.module, c, (xi,)) if len(xi) else None
                 for c, xi in zip(copies, xs)]
         t.append("parallel_apply " + ", ".join(
-            f"{d}: {tuple(o.shape) if o is not None else '-'}" for d, o in zip(self.devices, outs)))
+            f"{d}: {tuple(o.shape) if o is not None else '-'}" for d, o in zip(used, outs)))
         # 4. gather
         y = gather(outs, self.output_device)
-        # bytes that left device 0 (replicate; scatter of a batch that sits on device 0) and that
-        # reached the output device (gather), counted on the tensors themselves
-        self.moved = {"replicate": sum(v.numel() * v.element_size() for c in copies[1:]
-                                       for v in c.values()),
-                      "scatter": sum(c.numel() * c.element_size() for c in xs[1:]),
-                      "gather": sum(o.numel() * o.element_size() for d, o in zip(self.devices, outs)
-                                    if o is not None and d != self.output_device)}
+        # bytes counted on the tensors that go to or come from another device than device 0 (the
+        # output device for the gather): in the forward replicate and scatter out, gather in;
+        # when a backward runs, hooks count the outputs' gradients going back out and the
+        # replicas' gradients coming in (the reduce), as autograd delivers them
+        others = [i for i, d in enumerate(used) if d != self.output_device]
+
+        def nbytes_of(ts):
+            return sum(v.numel() * v.element_size() for v in ts)
+        self.moved = {"replicate": nbytes_of(v for c in copies[1:] for v in c.values()),
+                      "scatter": nbytes_of(xs[1:]),
+                      "gather": nbytes_of(outs[i] for i in others if outs[i] is not None),
+                      "output gradients": 0, "reduce": 0}
+
+        def count(key):
+            def hook(grad):
+                self.moved[key] += grad.numel() * grad.element_size()
+            return hook
+        for c in copies[1:]:
+            for v in c.values():
+                if v.requires_grad:
+                    v.register_hook(count("reduce"))
+        for i in others:
+            if outs[i] is not None and outs[i].requires_grad:
+                outs[i].register_hook(count("output gradients"))
         t.append(f"gather         outputs {tuple(y.shape)} on {self.output_device}")
         self.trace = t
         return y
@@ -115,14 +151,19 @@ class BalancedDataParallel(nn.DataParallel):
     ``nn.DataParallel`` does there: it calls the module.
     """
 
-    def __init__(self, gpu0_bsz: int, *args, **kwargs):
+    def __init__(self, gpu0_bsz: int, module: nn.Module, device_ids=None, output_device=None,
+                 dim: int = 0):
         if gpu0_bsz < 1:
             raise ValueError(f"gpu0_bsz={gpu0_bsz}: give GPU 0 at least one example (to leave it "
                              "out entirely, drop it from device_ids instead)")
         self.gpu0_bsz = gpu0_bsz
-        super().__init__(*args, **kwargs)
+        super().__init__(module, device_ids, output_device, dim)
+        self.dim = dim          # torch sets it only when there are GPUs; scatter reads it
 
     def scatter(self, inputs, kwargs, device_ids):
+        """Cut the positional tensors with ``balanced_sizes``; unlike torch's ``scatter_kwargs``
+        it does not split tensors inside lists, dicts or keyword arguments (each device gets
+        those whole)."""
         from torch.nn.parallel._functions import Scatter
         batch = next(x for x in inputs if isinstance(x, torch.Tensor)).size(self.dim)
         gpu0 = min(self.gpu0_bsz, batch - len(device_ids) + 1)  # a short last batch still splits
@@ -170,13 +211,16 @@ def traffic_per_step(param_bytes: int, k: int, input_bytes: int, output_bytes: i
     """Bytes each device sends and receives per training step: ``nn.DataParallel`` against DDP.
 
     Returns ``{"DataParallel": {"device 0": (sent, received), "another device": (sent, received)},
-    "DDP": {"every device": (sent, received)}}``, both directions counted the same way for both.
+    "DDP": {"every device": (sent, received)}}``, counted the same way for both, the batch's trip
+    from the host included (it starts on the CPU for both).
     P parameter bytes, k devices, X input and Y output bytes of the whole batch; s = (k-1)/k.
 
-    DataParallel, every step: replicate broadcasts P from device 0; scatter sends the other devices
-    their inputs (s X from device 0, or X/k to each device from the host when the batch is still on
-    the CPU); gather brings s Y of outputs to device 0, and backward sends their gradients (s Y)
-    back out; the replicas' gradients are reduced onto device 0.
+    DataParallel, every step: the batch goes to device 0 (``dp(X.cuda())``: device 0 receives X),
+    or, with ``inputs_from_host``, straight from the host to each device (X/k each, ``Scatter`` of
+    a CPU tensor); replicate broadcasts P from device 0; scatter sends the other devices their
+    inputs (s X from device 0, none from the host); gather brings s Y of outputs to device 0, and
+    backward sends their gradients (s Y) back out; the replicas' gradients are reduced onto
+    device 0 after the whole backward.
 
     * ``nccl=True`` (every CUDA build): the broadcast and the reduce are NCCL collectives
       (``comm.broadcast_coalesced``, ``nccl.reduce`` in ``comm.reduce_add``), which pass the data
@@ -185,27 +229,61 @@ def traffic_per_step(param_bytes: int, k: int, input_bytes: int, output_bytes: i
     * ``nccl=False`` (the fallback without NCCL, and the course's simulated devices): device 0
       copies P to each of the k-1 others and receives k-1 gradients: (k-1)P each way.
 
-    DDP: each process loads its own inputs and computes its own loss; the ring all-reduce sends and
-    receives 2(k-1)P/k on every device (the once-per-forward buffer broadcast is left out).
+    DDP: each process copies its own X/k from the host and computes its own loss; the ring
+    all-reduce sends and receives 2(k-1)P/k on every device (the once-per-forward buffer broadcast
+    is left out).
     """
     P, X, Y = param_bytes, input_bytes, output_bytes
     out_x = 0 if inputs_from_host else X * (k - 1) // k   # inputs device 0 sends to the others
     out_y = Y * (k - 1) // k                              # outputs gathered, their gradients back
     own_x = X // k                                        # what another device receives of X
+    in_0 = own_x if inputs_from_host else X               # host -> device 0
     if k == 1:
-        dp0, other = (0, X if inputs_from_host else 0), (0, 0)
+        dp0, other = (0, X), (0, 0)
     elif nccl:
         chain = 2 * P if k >= 3 else P                    # broadcast relay + reduce relay
-        dp0 = (P + out_x + out_y, P + out_y + (own_x if inputs_from_host else 0))
+        dp0 = (P + out_x + out_y, P + out_y + in_0)
         other = (chain + Y // k, chain + own_x + Y // k)
     else:
-        dp0 = ((k - 1) * P + out_x + out_y, (k - 1) * P + out_y + (own_x if inputs_from_host else 0))
+        dp0 = ((k - 1) * P + out_x + out_y, (k - 1) * P + out_y + in_0)
         other = (P + Y // k, P + own_x + Y // k)
     ring = 2 * (k - 1) * P // k
     return {"DataParallel": {"device 0": dp0, "another device": other},
-            "DDP": {"every device": (ring, ring)}}
+            "DDP": {"every device": (ring, ring + own_x)}}
+
+
+def phases_per_step(param_bytes: int, k: int, input_bytes: int, output_bytes: int,
+                    nccl: bool = True, inputs_from_host: bool = False) -> dict:
+    """The phases of one step that run one after the other, each with the bytes its busiest
+    device moves in its busier direction: ``{"DataParallel": [(phase, bytes)], "DDP": [...]}``.
+
+    Within a phase a full-duplex link sends and receives at once, so the busier direction sets
+    the phase's time; the phases of ``nn.DataParallel`` add: the batch reaches the GPUs, then
+    device 0 sends (broadcast and scatter in the forward), receives the outputs, sends their
+    gradients, and receives the reduce only after the whole backward. DDP's ranks load their own
+    X/k at once (one link each), and its all-reduce runs in buckets during the backward (its bytes
+    here are the most it can add to a step; hidden behind the backward it adds less).
+    """
+    P, X, Y = param_bytes, input_bytes, output_bytes
+    s_x, s_y, own_x = X * (k - 1) // k, Y * (k - 1) // k, X // k
+    fanout = P if nccl else (k - 1) * P   # device 0's share of broadcast and reduce (a relay: P)
+    dp = ([("batch, host -> each device (X/k)", own_x),
+           ("broadcast P from device 0", fanout)] if inputs_from_host else
+          [("batch, host -> device 0 (X)", X),
+           ("broadcast P + scatter (k-1)X/k from device 0", fanout + s_x)])
+    if k == 1:
+        dp = [dp[0]]
+    else:
+        dp += [("gather outputs to device 0", s_y),
+               ("output gradients out of device 0", s_y),
+               ("reduce P to device 0, after the backward", fanout)]
+    ddp = [("batch, host -> each rank (X/k)", own_x)]
+    if k > 1:
+        ddp.append(("ring all-reduce, during the backward", 2 * (k - 1) * P // k))
+    return {"DataParallel": dp, "DDP": ddp}
 
 
 def busiest(traffic: dict) -> int:
-    """The most bytes any device moves in one direction (a link's busier direction sets its time)."""
+    """The most bytes any device moves in one direction (within one phase, the busier direction
+    of a full-duplex link sets its time; ``phases_per_step`` adds the phases)."""
     return max(max(pair) for pair in traffic.values())

@@ -109,10 +109,25 @@ def test_an_autograd_ring_keeps_every_key_value_block_it_received():
         assert launch(_ring_blocks_kept, n, timeout=60) == [(n, n)] * n
 
 
-def test_the_overlap_timeline_draws_each_transfer_for_its_measured_time():
+def test_the_overlap_timeline_draws_each_transfer_from_post_to_wait():
     from d2lpar.strategies.context.timing import ring_overlap
     t = launch(ring_overlap, 4, 1, 4, 4, 64, 0.002, 2, timeout=60)[0]
-    sends = [(s, e) for lane, label, s, e in t["spans"] if label.startswith("transfer")]
-    assert len(sends) == 3
-    for s, e in sends:
-        assert e - s == pytest.approx(t["transfer"] / 3)
+    spans = t["spans"]
+    blocks = [(s, e) for lane, label, s, e in spans if label == "block compute"]
+    inflight = [(s, e) for lane, label, s, e in spans if label.startswith("transfer: post")]
+    alone = [(s, e) for lane, label, s, e in spans if label.startswith("one transfer alone")]
+    assert len(blocks) == 4 and len(inflight) == 3 and len(alone) == 3
+    for (bs, be), (s, e), (a_s, a_e) in zip(blocks, inflight, alone):
+        assert s <= bs and e >= be   # posted before the block, waited for after it
+        assert a_s == s and a_e - a_s == pytest.approx(t["transfer"] / 3)
+
+
+def test_the_overlap_check_fails_when_nothing_hid_on_a_quiet_machine(monkeypatch):
+    from d2lpar.infra.check import CheckFailed
+    from d2lpar.strategies.context import timing as T
+    monkeypatch.setattr(T, "busy_clause", lambda: "")
+    T.overlap_check({"compute": 1.0, "transfer": 0.5, "overlapped": 1.05})
+    with pytest.raises(CheckFailed):
+        T.overlap_check({"compute": 1.0, "transfer": 0.5, "overlapped": 1.5})
+    monkeypatch.setattr(T, "busy_clause", lambda: "\n  (a busy machine)")
+    T.overlap_check({"compute": 1.0, "transfer": 0.5, "overlapped": 1.5})   # prints, no raise

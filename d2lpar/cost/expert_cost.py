@@ -24,7 +24,8 @@ def even_bytes(T: int, k: int, d: int, n: int, element: int = 4) -> float:
     return T * k * (n - 1) / n * d * element
 
 
-def routed_bytes(counts_by_rank, rank: int, experts_per_rank: int, d: int, element: int = 4) -> tuple[int, int]:
+def routed_bytes(counts_by_rank, rank: int, experts_per_rank: int, d: int,
+                 element: int = 4) -> tuple[int, int]:
     """(dispatch, combine) bytes ``rank`` sends, from each rank's kept assignments per expert."""
     n = len(counts_by_rank)
     to_rank = [[sum(c[p * experts_per_rank:(p + 1) * experts_per_rank]) for p in range(n)]
@@ -34,9 +35,10 @@ def routed_bytes(counts_by_rank, rank: int, experts_per_rank: int, d: int, eleme
     return dispatch * d * element, combine * d * element
 
 
-def moe_flops(T: int, k: int, d: int, hidden: int) -> float:
-    """Forward FLOPs of the experts for T tokens, k experts each: two products of 2 d hidden."""
-    return T * k * 4 * d * hidden
+def moe_flops(T: int, k: int, d: int, hidden: int, matrices: int = 2) -> float:
+    """Forward FLOPs of the experts for T tokens, k experts each: ``matrices`` products of 2 d hidden
+    FLOPs per token (2: up and down; 3: a SwiGLU expert's gate, up and down, as Mixtral's)."""
+    return T * k * matrices * 2 * d * hidden
 
 
 def all_to_all_time(nbytes_per_rank: float, n: int, link: Link) -> float:
@@ -45,7 +47,9 @@ def all_to_all_time(nbytes_per_rank: float, n: int, link: Link) -> float:
 
 
 def moe_layer_time(T: int, k: int, d: int, hidden: int, n: int, gpu: Gpu, link: Link,
-                   element: int = 2) -> dict[str, float]:
-    """Compute and the two all-to-alls of one MoE layer's forward, per rank, in seconds."""
+                   element: int = 2, matrices: int = 2) -> dict[str, float]:
+    """Compute and the two all-to-alls of one MoE layer's forward, per rank, in seconds (the
+    backward is not counted: twice the forward's compute, and both all-to-alls again)."""
     a2a = all_to_all_time(even_bytes(T, k, d, n, element), n, link)
-    return {"compute": gpu.time(moe_flops(T, k, d, hidden), 2), "dispatch": a2a, "combine": a2a}
+    flops = moe_flops(T, k, d, hidden, matrices)
+    return {"compute": gpu.time(flops, 2), "dispatch": a2a, "combine": a2a}

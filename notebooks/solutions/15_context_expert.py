@@ -30,8 +30,9 @@ def exercise_3():
     """T k (N-1)/N assignments of d bf16 elements each leave a rank."""
     T, k, d, n = 16384, 2, 4096, 8
     sent = EC.even_bytes(T, k, d, n, element=2)
-    t = EC.moe_layer_time(T, k, d, 14336, n, A100_BF16, MACHINES["8 GPUs, NVSwitch"].device_link)
-    print(f"{sent / 2**20:.0f} MiB to dispatch (as much to combine); all-to-all {t['dispatch'] * 1e3:.1f} ms "
-          f"against {t['compute'] * 1e3:.1f} ms of expert compute")
+    link = MACHINES["8 GPUs, NVSwitch"].device_link
+    t = EC.moe_layer_time(T, k, d, 14336, n, A100_BF16, link, matrices=3)   # SwiGLU experts
+    print(f"{sent / 2**20:.0f} MiB to dispatch (as much to combine); all-to-all "
+          f"{t['dispatch'] * 1e3:.1f} ms against {t['compute'] * 1e3:.1f} ms of expert compute (forward)")
     assert sent == T * k * (n - 1) / n * d * 2 and t["dispatch"] < t["compute"]
     return sent

@@ -23,8 +23,8 @@ in the backward with a second ring for dK/dV, and recomputes each block's scores
 does.
 
 **Causal masks and the zig-zag split.** With a causal mask a query attends to keys at or before it.
-Cut in N contiguous chunks, rank r's queries see r + 1 of the N chunks: the last rank does N times the
-first one's work. Cut in 2N chunks, rank r holding chunks r and 2N - 1 - r, every rank does the same
+Cut in N contiguous chunks, rank r's queries see r + 1 of the N chunks, the last of them a triangle:
+r + 1/2 blocks of work, so the last rank does 2N - 1 times the first one's work. Cut in 2N chunks, rank r holding chunks r and 2N - 1 - r, every rank does the same
 work. A (query chunk i, key chunk j) pair is full when j < i, triangular when j = i, skipped when j > i.
 """
 

@@ -4,7 +4,9 @@ The device is simulated: each block's attention lasts ``device_wait`` seconds (t
 then a sleep for the rest, as a GPU would compute while its CPU thread waits), so that N ranks on two
 cores show the timeline N GPUs would; the messages are real gloo messages. Three runs on the same
 ranks, each the median of ``repeats``: the blocks' compute alone, the N-1 transfers alone, and the
-ring with each transfer posted before the block's compute.
+ring with each transfer posted before the block's compute. ``overlap_check`` turns the three into a
+check that fails on a quiet machine when less than half the transfers hid, and on a busy machine
+(``busy_clause``) prints that it was too busy to show it instead of failing.
 """
 
 from __future__ import annotations
@@ -15,9 +17,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from d2lpar.infra.check import check
+from d2lpar.infra.verdict import busy_clause, hidden_fraction
 from d2lpar.strategies.context import ring as R
 
-__all__ = ["ring_overlap"]
+__all__ = ["ring_overlap", "overlap_check", "HIDDEN_SHARE"]
+
+HIDDEN_SHARE = 0.5   # the share of the transfers that must hide for the check to pass
 
 
 def _median(fn, repeats: int) -> float:
@@ -34,11 +40,13 @@ def _median(fn, repeats: int) -> float:
 def ring_overlap(b: int, heads: int, s_local: int, dh: int, device_wait: float | None = None,
                  repeats: int = 7):
     """In a launched rank: {'compute', 'transfer', 'overlapped', 'device_wait'} seconds and the last
-    run's spans. ``device_wait=None`` calibrates it: one block's compute lasts 1.5 times one block's
-    transfer measured here (ring attention is sized so that the compute can hide the transfer; on
-    TCP the first part of a send is copied while it is posted, so not all of it can hide). In the
-    spans, each transfer is drawn from its post for the duration one transfer took alone (measured),
-    not until the ``wait()`` that follows the block's compute."""
+    ring run's spans. ``device_wait=None`` calibrates it: one block's compute lasts 1.5 times one
+    block's transfer measured here (ring attention is sized so that the compute can hide the
+    transfer; on TCP the first part of a send is copied while it is posted, so not all of it can
+    hide). The spans are what happened in that run: each block's compute; the posting of each
+    transfer before it (the ``isend``/``irecv`` calls, which need not return at once); the rank idle in
+    ``wait()`` after it; each transfer from its post to the return of its ``wait()`` (a transfer that hid ends
+    where its block's compute ends); and, for comparison, one transfer's time measured alone."""
     n = dist.get_world_size()
     g = torch.Generator().manual_seed(dist.get_rank())
     q, k, v = (torch.randn(b, heads, s_local, dh, generator=g) for _ in range(3))
@@ -69,7 +77,34 @@ def ring_overlap(b: int, heads: int, s_local: int, dh: int, device_wait: float |
         dist.barrier()
         R.ring_attention(q, k, v, device_wait=device_wait, spans=spans)
     one = out["transfer"] / max(n - 1, 1)   # one block's transfer, measured alone
-    out["spans"] = [(lane, label.replace("send", "transfer"), start, start + one)
-                    if label.startswith("send") else (lane, label, start, end)
-                    for lane, label, start, end in spans]
+    drawn = []
+    sends = [sp for sp in spans if sp[1].startswith("send")]
+    for lane, label, start, end in spans:
+        if label.startswith("block"):
+            drawn.append((lane, "block compute", start, end))
+    for lane, label, start, end in sends:   # from the isend/irecv calls to the block's start
+        post_end = next(b[2] for b in spans if b[1].startswith("block") and b[2] >= start)
+        drawn.append((lane.replace(" comm", ""), "posting the transfer", start, post_end))
+    for (lane, label, start, end), block in zip(sends, [sp for sp in spans if sp[1].startswith("block")]):
+        if end > block[3]:   # the wait returned after the compute: the rank sat idle
+            drawn.append((lane.replace(" comm", ""), "idle in wait()", block[3], end))
+        drawn.append((lane.replace("comm", "transfer"), "transfer: post to wait() return", start, end))
+        drawn.append((lane.replace("comm", "alone"), "one transfer alone (measured)", start, start + one))
+    out["spans"] = drawn
+    out["idle"] = sum(e - s for _, lab, s, e in drawn if lab == "idle in wait()")
+    out["posting"] = sum(e - s for _, lab, s, e in drawn if lab == "posting the transfer")
     return out
+
+
+def overlap_check(timing: dict) -> None:
+    """Check that at least ``HIDDEN_SHARE`` of the transfers hid behind the compute in the medians;
+    on a busy machine a miss prints the busy note (nothing could be shown) instead of failing."""
+    hid = hidden_fraction(timing["overlapped"], timing["compute"], timing["transfer"])
+    shown = f"hid {hid:.0%} of them" if hid >= 0 else "it took longer than the two in sequence"
+    claim = (f"the ring took at most compute + {1 - HIDDEN_SHARE:.0%} of the transfers "
+             f"({shown}; {HIDDEN_SHARE:.0%} needed)")
+    busy = busy_clause()
+    if hid < HIDDEN_SHARE and busy:
+        print(f"NOT SHOWN  {claim}" + busy)
+        return
+    check(claim, hid >= HIDDEN_SHARE)

@@ -41,10 +41,11 @@ def _all_to_all(x, scatter_dim, gather_dim, counter):
     pieces = [p.contiguous() for p in x.chunk(n, scatter_dim)]
     out = [torch.empty_like(pieces[0]) for _ in range(n)]
     dist.all_to_all(out, pieces)
-    if counter is not None:   # what leaves this rank: every piece but its own
-        counter["sent"] = counter.get("sent", 0) + sum(p.numel() * p.element_size() for p in pieces) \
-            * (n - 1) // n
-        counter["messages"] = counter.get("messages", 0) + n - 1
+    if counter is not None:   # what leaves this rank: every piece but its own, counted one by one
+        mine = dist.get_rank()
+        sent = [p.numel() * p.element_size() for i, p in enumerate(pieces) if i != mine]
+        counter["sent"] = counter.get("sent", 0) + sum(sent)
+        counter["messages"] = counter.get("messages", 0) + len(sent)
     return torch.cat(out, gather_dim)
 
 

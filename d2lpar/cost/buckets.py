@@ -189,7 +189,9 @@ def against_measured(rows, layers, a: float, b: float,
     measured = {row["cap_mb"]: row["step"] for row in rows}
     fastest, model_pick = min(measured, key=measured.get), min(predicted, key=predicted.get)
     lost = measured[model_pick] / measured[fastest] - 1
-    if lost <= tolerance:
+    if model_pick == fastest:
+        verdict.append(f"the model's best cap, {model_pick:g} MiB, is also the fastest measured")
+    elif lost <= tolerance:
         verdict.append(f"the model's best cap, {model_pick:g} MiB, measured within {lost:.0%} of "
                        f"the fastest ({fastest:g} MiB)")
     else:

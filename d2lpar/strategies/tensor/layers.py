@@ -153,6 +153,7 @@ class OutChannelSplitConv2d(nn.Module):
             check_same_input("OutChannelSplitConv2d", x, self.group)
             self._input_checked = True
         y = F.conv2d(copy_to_region(x, self.group), self.weight, self.bias, padding=self.padding)
+        self.local = y.detach()  # this rank's channels, as they enter the all-gather
         return gather_from_region(y, 1, self.group)
 
 
@@ -181,5 +182,7 @@ class InChannelSplitConv2d(nn.Module):
             self._input_checked = True
         if self.split_input:
             x = scatter_to_region(x, 1, self.group)
-        y = reduce_from_region(F.conv2d(x, self.weight, padding=self.padding), self.group)
+        partial = F.conv2d(x, self.weight, padding=self.padding)
+        self.local = partial.detach().clone()  # this rank's partial sum, as it enters the all-reduce
+        y = reduce_from_region(partial, self.group)
         return y + self.bias.view(1, -1, 1, 1)

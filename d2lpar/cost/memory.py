@@ -98,14 +98,17 @@ class Footprint:
 
 
 def footprints(sizes: tuple[int, ...], batch: int, n: int, strategy: str,
-               optimizer: str = "adam", micro_batches: int = 4, replicas: int = 2) -> list[Footprint]:
-    """Per-device memory and bytes sent for an MLP ``sizes`` trained with ``strategy`` on n devices."""
+               optimizer: str = "adam", micro_batches: int = 4,
+               replicas: int = 2) -> list[Footprint]:
+    """Per-device memory and bytes sent for an MLP ``sizes`` trained with ``strategy`` on n
+    devices."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}: choose sgd, momentum or adam")
     if n < 1 or batch < n:
-        raise ValueError(f"need n >= 1 devices and a batch of at least n samples (n={n}, B={batch})")
+        raise ValueError(f"need n >= 1 devices and a batch of at least n samples "
+                         f"(n={n}, B={batch})")
     s, lp = OPTIMIZER_STATES[optimizer], _layer_params(sizes)
     P, acts = sum(lp), [BYTES * d for d in sizes[:-1]]  # activations per sample, by layer
 
@@ -129,7 +132,8 @@ def footprints(sizes: tuple[int, ...], batch: int, n: int, strategy: str,
         return out
     d = replicas if strategy == "data+model" else 1
     if n % d:
-        raise ValueError(f"data+model needs n divisible by replicas ({n} devices, {replicas} replicas)")
+        raise ValueError(f"data+model needs n divisible by replicas "
+                         f"({n} devices, {replicas} replicas)")
     k = n // d
     groups = partition_layers(sizes, k)
     out = []

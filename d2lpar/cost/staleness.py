@@ -70,8 +70,9 @@ def delayed_sgd(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Te
                 diverged: float = 1e3) -> tuple[list[float], nn.Module]:
     """SGD where update t uses the gradient at the parameters of update t - tau.
 
-    Returns the loss on ``eval_data`` every ``eval_every`` updates (stopping early, with ``inf``, once
-    it exceeds ``diverged``) and the trained copy of ``model`` (``model`` itself is left unchanged).
+    Returns the loss on ``eval_data`` every ``eval_every`` updates (stopping early, with ``inf``,
+    once it exceeds ``diverged``) and the trained copy of ``model`` (``model`` itself is left
+    unchanged).
     """
     if tau < 0:
         raise ValueError(f"tau (how many updates old a gradient is) must be >= 0, got {tau}")
@@ -96,8 +97,8 @@ def sync_sgd(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tenso
              workers: int) -> nn.Module:
     """Synchronous data parallelism: each batch is split over ``workers``, gradients averaged.
 
-    Shards are cut with ``d2lpar.infra.data.split_sizes`` and weighted by their size, so the average is
-    the gradient of the whole batch even when the batch does not divide evenly.
+    Shards are cut with ``d2lpar.infra.data.split_sizes`` and weighted by their size, so the average
+    is the gradient of the whole batch even when the batch does not divide evenly.
     """
     from d2lpar.infra.data import split_sizes
     trained, worker = copy.deepcopy(model), copy.deepcopy(model)

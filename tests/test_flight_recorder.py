@@ -2,6 +2,7 @@
 sizes the notebook does not use; dumps it cannot compare are refused in one sentence."""
 
 import json
+import re
 import shutil
 import uuid
 
@@ -24,10 +25,16 @@ def three_ranks():
 
 def test_the_reader_agrees_with_torchs_analyzer(three_ranks):
     found = FR.first_disagreement(FR.read_dumps(three_ranks))
-    report = FR.torch_analysis(three_ranks)
+    report = FR.torch_analysis(three_ranks, first=0)
     assert found["seq"] == 4 and found["culprits"] == [1]
     assert f"Collective sequence number: {found['seq']} has errors" in report and "Culprit rank 1" in report
     assert "collective #3 was called from different lines" in found["text"]
+
+
+def test_torchs_analyzer_takes_the_first_dump_as_its_reference(three_ranks):
+    # rank 1 skipped; with its dump read first, the analyzer blames the two ranks that did not
+    named = re.findall(r"Culprit rank (\d+)", FR.torch_analysis(three_ranks, first=1))
+    assert sorted(map(int, named)) == [0, 2]
 
 
 def test_dumps_that_agree_have_no_disagreement(three_ranks):

@@ -63,7 +63,8 @@ class _Layers(nn.Module):
         return x
 
 
-def profile_ddp_step(steps: int = 2, compute_s: float = 0.02, layers: int = 4, width: int = 256) -> dict:
+def profile_ddp_step(steps: int = 2, compute_s: float = 0.02, layers: int = 4,
+                     width: int = 1024) -> dict:
     """Two DDP steps under ``torch.profiler``, one bucket per layer (``bucket_cap_mb`` below one
     layer's weight), each layer's backward compute a calibrated wait of ``compute_s``.
 
@@ -97,7 +98,8 @@ def profile_ddp_step(steps: int = 2, compute_s: float = 0.02, layers: int = 4, w
         if name.startswith("gloo:") or name in ("aten::addmm", "aten::mm", "backward compute"):
             lane = f"rank {rank} comm" if name.startswith("gloo:") else f"rank {rank}"
             start = e.time_range.start / 1e6
-            spans.append((lane, name.replace("aten::", ""), start, start + e.time_range.elapsed_us() / 1e6))
+            end = start + e.time_range.elapsed_us() / 1e6
+            spans.append((lane, name.replace("aten::", ""), start, end))
     return {"spans": spans, "order": list(log)}
 
 

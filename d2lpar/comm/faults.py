@@ -42,7 +42,8 @@ def _init(timeout_s: float) -> int:
     return dist.get_rank()
 
 
-def skip_collective(how: str = "hang", folder: str | None = None, run: str = "", timeout_s: float = 60,
+def skip_collective(how: str = "hang", folder: str | None = None, run: str = "",
+                    timeout_s: float = 60,
                     skipper: int = 1):
     """Every rank but ``skipper`` calls collective 3 (see the module's docstring for ``how``)."""
     rank = _init(timeout_s)
@@ -55,8 +56,8 @@ def skip_collective(how: str = "hang", folder: str | None = None, run: str = "",
             if how == "monitored":     # placed just before the collective under suspicion
                 dist.monitored_barrier(timeout=timedelta(seconds=timeout_s))
             dist.all_reduce(t)         # collective 3: the skipper skips it (a branch on the rank)
-        dist.all_reduce(torch.ones(4))   # the next one everyone calls: the skipper's pairs with the 3rd
-        dist.barrier()                 # the end of the epoch: the others are still in their all-reduce
+        dist.all_reduce(torch.ones(4))   # the next one for all: the skipper's pairs with the 3rd
+        dist.barrier()                 # the epoch's end: the others are still in their all-reduce
     except RuntimeError as e:
         error = _said(e)
     if how == "recorded":
@@ -115,9 +116,9 @@ def uneven_batches(fix: str | None = None):
     from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel as DDP
     rank, n = dist.get_rank(), dist.get_world_size()
-    data = torch.randn(7 * n + 1, 4, generator=torch.Generator().manual_seed(0))   # one example more
+    data = torch.randn(7 * n + 1, 4, generator=torch.Generator().manual_seed(0))  # one more
     mine = data[rank::n]
-    if fix == "equal":                 # what DistributedSampler(drop_last=True) does: cut to the shortest
+    if fix == "equal":  # what DistributedSampler(drop_last=True) does: cut to the shortest
         mine = mine[: len(data) // n]
     model = DDP(nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -184,7 +185,7 @@ def manual_data_parallel_step(average: bool, lr: float = 0.1):
 
 
 def device_for(env: dict[str, str], use_local_rank: bool) -> str:
-    """The GPU a process picks from its launcher's variables: cuda:LOCAL_RANK, or (wrong) cuda:RANK."""
+    """The GPU a process picks from its launcher's variables: cuda:LOCAL_RANK, or cuda:RANK (wrong)."""
     return f"cuda:{env['LOCAL_RANK'] if use_local_rank else env['RANK']}"
 
 

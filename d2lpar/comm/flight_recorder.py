@@ -33,7 +33,7 @@ class FlightRecorderError(ValueError):
 
 
 def dump(folder: str | Path, run: str) -> Path:
-    """In a rank: write this rank's flight-recorder buffer under ``folder``; return the JSON's path."""
+    """In a rank: write this rank's flight-recorder buffer under ``folder``; return the JSON path."""
     import torch
     import torch.distributed as dist
     folder = Path(folder)
@@ -47,7 +47,8 @@ def dump(folder: str | Path, run: str) -> Path:
                             for k, v in config.items()}
     (folder / f"rank_{rank}").write_bytes(pickle.dumps(raw))
     entries = [{"seq": e.get("collective_seq_id"), "op": e.get("profiling_name"),
-                "sizes": e.get("input_sizes"), "dtypes": e.get("input_dtypes"), "state": e.get("state"),
+                "sizes": e.get("input_sizes"), "dtypes": e.get("input_dtypes"),
+                "state": e.get("state"),
                 "where": _where(e.get("frames", []))} for e in raw.get("entries", [])]
     path = folder / f"fr_{rank}.json"
     path.write_text(json.dumps({"run": run, "rank": rank, "world": world, "entries": entries}))
@@ -96,7 +97,8 @@ def first_disagreement(dumps: dict[int, list[dict]]) -> dict | None:
         seen = {r: _key(entries.get(seq)) for r, entries in by_seq.items()}
         if len(set(seen.values())) > 1:
             counts = Counter(seen.values()).most_common()
-            text = f"collective #{seq}: " + "; ".join(f"rank {r}: {k}" for r, k in sorted(seen.items()))
+            text = f"collective #{seq}: " + "; ".join(f"rank {r}: {k}"
+                                                      for r, k in sorted(seen.items()))
             if len(counts) > 1 and counts[0][1] == counts[1][1]:   # no majority (2 ranks: always)
                 culprits = []
                 text += ". No majority: the records cannot say which rank is the odd one out."
@@ -105,8 +107,8 @@ def first_disagreement(dumps: dict[int, list[dict]]) -> dict | None:
                 text += f". Odd one out: rank(s) {culprits}."
             lines = _first_other_call_site(by_seq, seq)
             if lines:
-                text += f" Earlier, collective #{lines[0]} was called from different lines: " + "; ".join(
-                    f"rank {r} at {w}" for r, w in sorted(lines[1].items()))
+                sites = "; ".join(f"rank {r} at {w}" for r, w in sorted(lines[1].items()))
+                text += f" Earlier, collective #{lines[0]} was called from different lines: {sites}"
             return {"seq": seq, "per_rank": seen, "culprits": culprits, "text": text}
     return None
 
@@ -127,21 +129,33 @@ def _key(entry) -> str:
     return f"{entry['op']} {entry['sizes']} {entry['dtypes']}"
 
 
-def torch_analysis(folder: str | Path) -> str:
-    """What torch's analyzer (``torch.distributed.flight_recorder.fr_trace``) prints for the folder."""
+def torch_analysis(folder: str | Path, first: int | None = None) -> str:
+    """What torch's analyzer (``torch.distributed.flight_recorder.fr_trace``) prints for the folder.
+
+    The analyzer matches every rank against the record of the rank whose dump it read first, and
+    reads them in ``os.walk``'s order, which depends on the filesystem. ``first`` fixes that rank."""
     import logging
 
     out = io.StringIO()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         # importing it prints "tabulate is not installed" without that package
-        from torch.distributed.flight_recorder.fr_trace import main
+        from torch.distributed.flight_recorder import fr_trace
+    read_dir = fr_trace.read_dir
+
+    def read_dir_first(args):   # the same dumps, rank ``first``'s placed first
+        details, version = read_dir(args)
+        order = sorted(details, key=lambda f: details[f]["rank"] != first)
+        return {f: details[f] for f in order}, version
     logger = logging.getLogger("Flight Recorder")   # the analyzer reports through this logger
     handler = logging.StreamHandler(out)
     saved = logger.handlers[:]
     logger.handlers = [handler]
+    if first is not None:
+        fr_trace.read_dir = read_dir_first
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-            main([str(folder), "-p", "rank_"])
+            fr_trace.main([str(folder), "-p", "rank_"])
     finally:
         logger.handlers = saved
+        fr_trace.read_dir = read_dir
     return out.getvalue()

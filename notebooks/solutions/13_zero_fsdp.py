@@ -114,20 +114,29 @@ def exercise_3():
     check_close("the frozen layer did not move", {k: state[k] for k in ("0.weight", "0.bias")},
                 {k: start[k] for k in ("0.weight", "0.bias")}, rtol=0, atol=0)
     check_close("the rest equals one process training only the trainable parameters", state, expected)
-    check_equal("ZeRO holds only the trainable parameters' states",
+    check_equal("ZeroAdamW shards the trainable parameters' states only: bytes held == formula",
                 held, zero.model_state_bytes(2, psi, 2))
+    frozen = 4 * sum(p.numel() for p in make_model()[0].parameters())  # fp32, whole on every rank
+    all_trainable = zero.model_state_bytes(2, zero.padded_numel(
+        [sum(p.numel() for p in m.parameters()) for m in make_model()[::2]], 2), 2)
+    print(f"per rank: sharded states {sum(held.values())} B + frozen layer, not sharded, {frozen} B;"
+          f" with every layer trainable: {sum(all_trainable.values()):.0f} B")
+    check("freezing a layer saves its gradients and AdamW state, though its weights stay whole",
+          sum(held.values()) + frozen < sum(all_trainable.values()))
 
 
 def _fsdp_memory(width, layers):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", dist.get_rank()) if cuda else torch.device("cpu")
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # the ranks' device
     for layer in net:
-        fully_shard(layer)
-    fully_shard(net)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
     opt = AdamW(net.parameters(), lr=1e-3)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -148,8 +157,11 @@ def exercise_4():
               f" ratio {peak / (16 * psi):.3f}")
         check("the peak is at least the model states (activations and workspace come on top)",
               peak >= 16 * psi)
-    else:
-        psi, held, _ = launch(_fsdp_memory, 1, 64, 4)[0]
-        print(f"no GPU: on the CPU, Psi = {psi}; parameters + gradients + AdamW state = {held} bytes "
-              f"= {held / psi:.0f} bytes per parameter")
-        check_equal("one rank holds 16 bytes per parameter (4 + 4 + 8)", held, 16 * psi)
+    else:  # 2 ranks: each rank's shards, measured from the tensors, against 16 Psi / N
+        per_rank = launch(_fsdp_memory, 2, 64, 4)
+        psi = per_rank[0][0]
+        for rank, (_, held, _) in enumerate(per_rank):
+            print(f"no GPU: rank {rank} of 2 holds {held} bytes of parameter, gradient and AdamW "
+                  f"shards for Psi = {psi}: {held / psi:.0f} bytes per parameter of the model")
+            check_equal(f"rank {rank}: 16 bytes per parameter, over 2 ranks (64 rows divide by 2)",
+                        held, 16 * psi // 2)

@@ -1,5 +1,6 @@
 """Worked solutions to the exercises of notebook 16 (debugging distributed runs)."""
 
+import re
 import shutil
 import uuid
 
@@ -63,7 +64,12 @@ def exercise_2():
     assert found["seq"] == 4 and found["culprits"] == [2]
     assert "collective #3 was called from different lines" in found["text"]
     assert "Collective sequence number: 4 has errors" in report
-    print("torch's analyzer:", [l.strip() for l in report.splitlines() if "Culprit" in l])
+    folder = build_dir("solutions_16") / "three_ranks"
+    for first, want in ((0, [2]), (2, [0, 1])):   # the analyzer's reference: the dump read first
+        named = sorted(int(r) for r in re.findall(r"Culprit rank (\d+)",
+                                                   FR.torch_analysis(folder, first=first)))
+        print(f"torch's analyzer, rank {first}'s dump read first: culprits {named}")
+        assert named == want, named
     two, _ = _skip_and_read(2, 0, "two_ranks")
     print(two["text"])
     assert two["seq"] == 4 and two["culprits"] == [] and "No majority" in two["text"]

@@ -51,7 +51,7 @@ class FlatUnit:
         self.had = [False] * len(params)  # which parameters got a gradient this step, on this rank
 
     def pieces(self) -> list[tuple[int, int, int | None]]:
-        """This rank's shard cut by parameter: (start, stop, index in params, or None for padding)."""
+        """This rank's shard cut by parameter: (start, stop, index in params or None: padding)."""
         out = []
         for i, (p, o) in enumerate(zip(self.params, self.offsets)):
             a, b = max(o, self.lo), min(o + p.numel(), self.lo + self.S)

@@ -88,8 +88,8 @@ class ZeroAdamW:
                              "state, 2 also the gradients, 3 also the parameters")
         check_hyperparameters(lr, betas, eps, weight_decay)
         if not dist.is_initialized():
-            raise RuntimeError("ZeroAdamW shards over a process group, and none is initialised: "
-                               "run it on ranks started by d2lpar.processes.launch.launch or torchrun")
+            raise RuntimeError("ZeroAdamW shards over a process group, and none is initialised: run"
+                               " it on ranks started by d2lpar.processes.launch.launch or torchrun")
         self.model, self.stage, self.prefetch = model, stage, prefetch
         self.n, self.rank = dist.get_world_size(), dist.get_rank()
         self.counter = ByteCounter()
@@ -97,9 +97,10 @@ class ZeroAdamW:
         if not trainable:
             raise ValueError("the model has no trainable parameters: nothing to shard")
         if len({(p.dtype, p.device) for p in trainable}) > 1:
-            raise ValueError("ZeroAdamW needs all trainable parameters on one device with one dtype")
+            raise ValueError("ZeroAdamW needs all trainable parameters on one device, one dtype")
         self._agree_on_parameters()
-        self.units = [FlatUnit(name, mod, ps, self.n, self.rank, reshard_after_forward and name != "(root)")
+        self.units = [FlatUnit(name, mod, ps, self.n, self.rank,
+                               reshard_after_forward and name != "(root)")
                       for name, mod, ps in split_units(model, trainable)]
         self.live = self.peak_gathered = self.peak_grad = 0
         self._broadcast_the_rest(trainable)
@@ -126,7 +127,7 @@ class ZeroAdamW:
                           for a, b, i in u.pieces()]
             self._register_hooks(u)
         self.opt = AdamW([seg for u in self.units for seg, _, _ in u.segments], lr=lr, betas=betas,
-                         eps=eps, weight_decay=weight_decay)  # elementwise: it runs on pieces unchanged
+                         eps=eps, weight_decay=weight_decay)  # elementwise: runs on pieces as they are
 
     # ------------------------------------------------------------------------------ construction
 
@@ -261,7 +262,7 @@ class ZeroAdamW:
         return out
 
     def _reduce_unit(self, u: FlatUnit) -> None:
-        """Stages 2 and 3: reduce-scatter this unit's gradient now, keep the shard, drop the rest."""
+        """Stages 2 and 3: reduce-scatter the unit's gradient now, keep the shard, drop the rest."""
         flat = torch.zeros(u.padded, dtype=u.full.dtype, device=u.full.device)
         start = 0
         for p in u.params:

@@ -66,11 +66,17 @@ def test_the_scaler_skips_each_step_with_an_inf_and_halves_its_scale():
 def test_bytes_per_parameter_match_the_playbook():
     assert [(n, round(a), round(b)) for n, a, b in ML.playbook_table()] == \
         [(1e9, 16, 20), (7e9, 112, 140), (70e9, 1120, 1400)]
-    opt = MixedPrecisionAdamW(nn.Linear(24, 8), fp32_grads=True)
-    opt.model(torch.randn(3, 24).bfloat16()).float().sum().backward()
-    opt.accumulate()
-    opt.step()
-    assert sum(opt.bytes_held().values()) == 20 * (24 * 8 + 8)
+    P = 24 * 8 + 8
+    for fp32_grads, at_end, at_step in ((False, 16, 20), (True, 20, 18)):
+        opt = MixedPrecisionAdamW(nn.Linear(24, 8), fp32_grads=fp32_grads)
+        for _ in range(2):
+            opt.model(torch.randn(3, 24).bfloat16()).float().sum().backward()
+            held = sum(opt.bytes_held().values())
+            if fp32_grads:
+                opt.accumulate()
+            opt.step()
+            assert all(p.grad is None for p in opt.params)   # the next backward starts from zero
+        assert (held, sum(opt.bytes_at_step.values())) == (at_end * P, at_step * P)
 
 
 def _policies():

@@ -10,9 +10,11 @@ rounding is a cost.
 
 **Mixed precision with fp32 master weights** (``MixedPrecisionAdamW``): the model computes in bf16
 (2 bytes per parameter, 2 for its gradient), the optimizer keeps fp32 master weights (4) and AdamW's
-two fp32 moments (8): 16 bytes per parameter, as much as fp32 training; gradients accumulated over
-micro-batches in fp32 add 4 more (20). Mixed precision saves activation memory and time, not the
-model's state.
+two fp32 moments (8): 16 bytes per parameter when a backward ends, as much as fp32 training;
+gradients accumulated over micro-batches in fp32 add 4 more (20). Inside ``step()`` AdamW reads fp32
+gradients: a 4-byte copy of the bf16 ones (20 at that moment), or the fp32 buffers themselves, the
+bf16 gradients already freed (18). Mixed precision saves activation memory and time, not the model's
+state.
 """
 
 from __future__ import annotations
@@ -93,13 +95,18 @@ class MixedPrecisionAdamW:
             p.grad = None
 
     def step(self) -> None:
+        """AdamW on the fp32 masters, from fp32 gradients: the accumulation buffers themselves, or
+        an fp32 copy of the bf16 gradients (alive while ``opt.step()`` runs, counted in
+        ``bytes_at_step``); then the masters are copied into the bf16 model and every gradient is
+        cleared for the next backward."""
         for p, m, i in zip(self.params, self.master, range(len(self.master))):
-            m.grad = self.accum[i].clone() if self.accum is not None else p.grad.float()
+            m.grad = self.accum[i] if self.accum is not None else p.grad.float()
+        self.bytes_at_step = self.bytes_held()
         self.opt.step()
         with torch.no_grad():
             for p, m in zip(self.params, self.master):
                 p.copy_(m)
-                p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+                p.grad = None
         if self.accum is not None:
             for acc in self.accum:
                 acc.zero_()
@@ -107,12 +114,17 @@ class MixedPrecisionAdamW:
             m.grad = None
 
     def bytes_held(self) -> dict[str, int]:
-        """Bytes of each kind of tensor this rank holds between steps (after one step)."""
+        """Bytes of each kind of tensor this rank holds now: call it when a backward has ended (the
+        bf16 gradients exist) after a first step (AdamW's moments exist); ``step()`` records it
+        while ``opt.step()`` runs, in ``bytes_at_step``."""
         def size(ts):
-            return sum(t.numel() * t.element_size() for t in ts)
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
         state = [v for s in self.opt.state.values() for k, v in s.items() if k != "step"]
-        out = {"bf16 weights": size(self.params), "bf16 gradients": size(p.grad for p in self.params),
+        out = {"bf16 weights": size(self.params),
+               "bf16 gradients": size(p.grad for p in self.params),
                "fp32 master weights": size(self.master), "AdamW moments (fp32)": size(state)}
         if self.accum is not None:
             out["fp32 gradient buffers"] = size(self.accum)
+        else:
+            out["fp32 gradient copies"] = size(m.grad for m in self.master)
         return out

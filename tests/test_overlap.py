@@ -45,11 +45,11 @@ def _first_that(attempts: int, run, holds):
 def test_simulated_overlap_hides_the_copy_behind_the_device_wait():
     r = _first_that(3, lambda: simulated_overlap(target_s=0.02, copy_mb=1, repeats=2),  # raises if
                     lambda r: r.timelines["compute while copying"].overlap(        # the copy is wrong
-                        "device (simulated)", "copy thread") > 0)
+                        "device (simulated)", "main thread") > 0)
     over = r.timelines["compute while copying"]
-    assert set(over.lanes) == {"device (simulated)", "copy thread"}
-    assert over.overlap("device (simulated)", "copy thread") > 0
-    assert r.timelines["compute then copy"].overlap("device (simulated)", "copy thread") == 0
+    assert set(over.lanes) == {"device (simulated)", "main thread"}
+    assert over.overlap("device (simulated)", "main thread") > 0
+    assert r.timelines["compute then copy"].overlap("device (simulated)", "main thread") == 0
     assert r.compute == pytest.approx(r.timelines["compute then copy"].busy("device (simulated)"),
                                       rel=0.5)
 
@@ -208,3 +208,38 @@ def test_table_flags_a_sequential_run_far_from_compute_plus_transfer():
     assert "measured sequential" in flagged and "saw different load" in flagged
     assert "saw different load" not in OverlapResult("t", 0.03, 0.02, 0.05, 0.04).table()
     assert all(len(line) <= 100 for line in flagged.splitlines())
+
+
+def test_measure_under_a_group_reports_each_ranks_own_time():
+    # rank 1 is always the slower; the barrier that synchronizes the ranks must not add its wait
+    # to rank 0's time (it runs before the clock starts, never before it stops)
+    def worker():
+        import time
+        import torch.distributed as dist
+        nap = 0.002 if dist.get_rank() == 0 else 0.06
+
+        def run(tl):
+            time.sleep(nap)
+
+        r = overlap_module.measure("toy", run, run, run, run, 2, before=dist.barrier)
+        return r.compute, r.overlapped
+    (fast_c, fast_o), (slow_c, slow_o) = launch(worker, 2, timeout=60)
+    assert slow_c >= 0.06 and slow_o >= 0.06
+    assert fast_c < 0.03 and fast_o < 0.03
+
+
+def test_measure_counts_finish_inside_the_clock():
+    import time
+    noop = lambda tl: None  # noqa: E731
+    r = overlap_module.measure("t", noop, noop, noop, noop, repeats=1,
+                               finish=lambda: time.sleep(0.02))
+    assert min(r.compute, r.transfer, r.sequential, r.overlapped) >= 0.02
+
+
+def test_no_verdict_where_the_sequential_run_disagrees_with_the_sum():
+    flagged = OverlapResult("t", 0.03, 0.02, 0.10, 0.04)
+    assert not flagged.consistent() and flagged.gap == pytest.approx(1.0)
+    assert flagged.verdict().startswith("no verdict: the measured sequential run")
+    assert " ".join(flagged.table().split()).endswith(" ".join(flagged.verdict().split()))
+    agreed = OverlapResult("t", 0.03, 0.02, 0.05, 0.031)
+    assert agreed.consistent() and agreed.verdict().startswith("overlapped (")

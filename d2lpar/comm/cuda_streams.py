@@ -85,7 +85,7 @@ def cuda_overlap(device: torch.device | str = "cuda", pieces: int = 16, size: in
                      f"{pieces} pinned copies of {size * size * 4 / 2 ** 20:g} MB",
                      lambda tl: compute_all(compute_reps), lambda tl: copy_all(ys),
                      lambda tl: copy_all(compute_all(compute_reps)), overlapped, repeats,
-                     before=sync, check=check, setup=setup,
+                     before=sync, finish=sync, check=check, setup=setup,
                      checked=("sequential", "overlapped"))
     best = result.timelines["overlapped"]
     _, start, marks = next(run for run in runs if run[0] is best)  # the round of the table
@@ -110,8 +110,8 @@ def prefetch(batches, device: torch.device | str):
     only from pinned memory can a ``non_blocking`` copy run beside the kernels.
     """
     device = torch.device(device)
-    if device.type != "cuda":  # no streams: each batch is copied when it is needed
-        for batch in batches:
+    if device.type != "cuda":  # no streams: each batch moves when it is needed (to its own
+        for batch in batches:    # device, .to returns the tensor itself: no copy at all)
             yield tuple(t.to(device) for t in batch)
         return
     compute, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)

@@ -17,8 +17,8 @@ Four ways to get it:
 
 * ``simulated_overlap`` (the one to read first on a CPU): the compute runs on a *simulated device*,
   a thread that waits as long as the real compute was measured to take (a GPU's kernels leave the
-  CPU free in the same way), while a copy thread moves a real buffer. It needs one free core, so
-  it shows the mechanism even on a busy machine.
+  CPU free in the same way), while the main thread copies a real buffer. It needs one free core,
+  so it shows the mechanism even on a busy machine.
 * ``cpu_overlap``: on the CPU, the "transfer" is a copy of a large buffer (the gradient bucket a
   rank would send) done by a copy thread with one torch thread, while the main thread computes with
   one torch thread; each gets a core of its own.
@@ -40,8 +40,10 @@ from typing import Callable
 import torch
 
 from d2lpar.infra.timing import Timeline
-from d2lpar.infra.verdict import overlap_verdict
+from d2lpar.infra.verdict import busy_clause, overlap_verdict
 from d2lpar.infra.workers import torch_threads
+
+GAP_TOLERANCE = 0.15  # measured sequential vs compute + transfer: beyond it, no verdict
 
 __all__ = ["OverlapResult", "matmul_loop", "measure", "simulated_overlap", "cpu_overlap",
            "gloo_overlap_worker"]
@@ -72,25 +74,42 @@ class OverlapResult:
                 ("compute then transfer", self.sequential), ("overlapped", self.overlapped),
                 ("limit max(compute, transfer)", self.bound)]
 
+    @property
+    def gap(self) -> float:
+        """The measured sequential run against compute + transfer: 0 when the cases agree."""
+        return self.sequential / (self.compute + self.transfer) - 1
+
+    def consistent(self, tolerance: float = GAP_TOLERANCE) -> bool:
+        """Whether the measured sequential run is within ``tolerance`` of compute + transfer."""
+        return abs(self.gap) <= tolerance
+
     def verdict(self) -> str:
-        """The conclusion of this run, from its own numbers (``d2lpar.infra.verdict``)."""
+        """The conclusion of this run, from its own numbers (``d2lpar.infra.verdict``).
+
+        The verdict reads compute + transfer as the sequential time. Where the measured sequential
+        run is more than ``GAP_TOLERANCE`` away from that sum, the four cases did not see the same
+        machine, and no verdict is given (with the busy clause where the machine was busy).
+        """
+        if not self.consistent():
+            return (f"no verdict: the measured sequential run and compute + transfer disagree by "
+                    f"{self.gap:+.0%}, so these four cases did not see the same machine; time them "
+                    f"again" + busy_clause())
         return overlap_verdict(self.overlapped, self.compute, self.transfer, what=self.what,
                                behind=self.behind)
 
     def table(self) -> str:
         """The four times, the limit and the ratio, ending with the verdict of this run.
 
-        The measured sequential run is compared with compute + transfer (what the verdict's "in
-        sequence" figure uses); a gap above 15 % is flagged: the cases then ran under different load.
+        The measured sequential run is compared with compute + transfer (the sum the verdict
+        uses); a gap above 15 % is flagged and the verdict withheld.
         """
         lines = [f"{self.name}"] + [f"  {k:<30}{v * 1e3:9.1f} ms" for k, v in self.rows()]
         lines.append(f"  ratio overlapped / max(compute, transfer) = {self.ratio:.3f}")
         parts = self.compute + self.transfer
         lines.append(f"  overlapped / measured sequential = {self.overlapped / self.sequential:.3f}"
                      f" (saved {(self.sequential - self.overlapped) * 1e3:.1f} ms)")
-        gap = self.sequential / parts - 1
-        if abs(gap) > 0.15:
-            lines.append(f"  the sequential run took {gap:+.0%} against compute + transfer "
+        if not self.consistent():
+            lines.append(f"  the sequential run took {self.gap:+.0%} against compute + transfer "
                          f"({parts * 1e3:.1f} ms): the cases saw different load")
         for part in self.verdict().splitlines():  # wrapped to 100 columns, its lines kept
             lines += textwrap.wrap(part.strip(), 98, initial_indent="  ", subsequent_indent="    ")
@@ -118,19 +137,23 @@ def measure(name: str, compute: Run, transfer: Run, sequential: Run, overlapped:
             repeats: int, before: Callable[[], None] = lambda: None,
             check: Callable[[], None] = lambda: None,
             setup: Callable[[str], None] = lambda case: None,
-            checked: tuple[str, ...] = ("overlapped",)) -> OverlapResult:
+            checked: tuple[str, ...] = ("overlapped",),
+            finish: Callable[[], None] = lambda: None) -> OverlapResult:
     """The one harness: time the four cases in interleaved rounds and keep the best of each.
 
-    ``before`` runs ahead of every timed run (a barrier, a ``cuda.synchronize``) and again before
-    the clock stops, so queued device work is counted; ``check`` runs after each overlapped run and
-    raises if it computed or delivered anything different (after each case named in ``checked``).
-    ``setup(case)`` runs untimed before each run (zeroing the destination, copying the buffer in),
-    so every case times the same work and nothing else. Each case reports its best round, and its
-    timeline is the one of that same round (``timeline.elapsed`` holds that round's time), so a
-    chart shows the run its table reports. Under a
-    process group every rank must call ``measure`` (as a barrier in ``before`` requires anyway):
-    the ranks then agree on one round per case, the one whose slowest rank was fastest, and each
-    reports its own time in it, so spans drawn from several ranks belong together.
+    ``before`` runs untimed ahead of every timed run: a barrier, so that the ranks start each case
+    together, or a ``cuda.synchronize``, so that no earlier work is counted. ``finish`` runs
+    before the clock stops: a ``cuda.synchronize``, so that queued device work is counted. A
+    barrier does not belong there: it would add its own latency and the wait for the slower rank
+    to this rank's time. ``check`` raises if a run computed or delivered anything different (it
+    runs after each case named in ``checked``). ``setup(case)`` runs untimed before each run
+    (zeroing the destination, copying the buffer in), so every case times the same work and
+    nothing else. Each case reports its best round, and its timeline is the one of that same
+    round (``timeline.elapsed`` holds that round's time), so a chart shows the run its table
+    reports. Under a process group every rank must call ``measure`` (as a barrier in ``before``
+    requires anyway): the ranks agree on one round per case, the one whose slowest rank was
+    fastest, and each rank reports its own time in that round (from the barrier that started it
+    to the end of its own run), so spans drawn from several ranks belong together.
     """
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: time each case at least once")
@@ -145,7 +168,7 @@ def measure(name: str, compute: Run, transfer: Run, sequential: Run, overlapped:
             before()
             t0 = time.perf_counter()
             run(timeline)
-            before()
+            finish()
             times[key].append(time.perf_counter() - t0)
             timeline.elapsed = times[key][-1]
             if key in checked:
@@ -191,7 +214,7 @@ def _buffers(size: int, copy_mb: float) -> tuple[torch.Tensor, torch.Tensor, tor
 def simulated_overlap(target_s: float = 0.05, size: int = 256, copy_mb: float = 32.0,
                       repeats: int = 5, device_s: float | None = None,
                       copies: int | None = None) -> OverlapResult:
-    """Compute on a simulated device while a copy thread moves ``copy_mb`` MB buffers.
+    """Compute on a simulated device (a thread) while the main thread copies ``copy_mb`` MB buffers.
 
     The device is a thread that waits ``device_s`` seconds: by default the time that real matrix
     products sized to ``target_s`` were just measured to take on one core. A wait leaves the CPU
@@ -210,14 +233,14 @@ def simulated_overlap(target_s: float = 0.05, size: int = 256, copy_mb: float = 
             with tl.span(lane, "compute (device time)"):
                 time.sleep(device_s)  # the CPU is free meanwhile, as while a GPU computes
 
-        def copy(tl: Timeline, lane: str = "copy thread") -> None:
+        def copy(tl: Timeline, lane: str = "main thread") -> None:
             with tl.span(lane, "copy"):
                 _copy_chunks(dst, src, copies)
 
         def sequential(tl: Timeline) -> None:
             compute(tl); copy(tl)
 
-        def overlapped(tl: Timeline) -> None:
+        def overlapped(tl: Timeline) -> None:  # the device is a thread; the main thread copies
             device = threading.Thread(target=compute, args=(tl,), name="simulated-device")
             device.start(); copy(tl); device.join()  # the copy runs while the device computes
 
@@ -225,7 +248,7 @@ def simulated_overlap(target_s: float = 0.05, size: int = 256, copy_mb: float = 
             if not torch.equal(dst, src):
                 raise AssertionError("the copy delivered different numbers")
 
-        result = measure(f"simulated device: {device_s * 1e3:.1f} ms of compute | copy thread, "
+        result = measure(f"simulated device: {device_s * 1e3:.1f} ms of compute | main thread, "
                          f"{copies} x {copy_mb:g} MB", compute, copy, sequential, overlapped,
                          repeats, check=check, setup=lambda case: dst.zero_(),
                          checked=("transfer", "sequential", "overlapped"))

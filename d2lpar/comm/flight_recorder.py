@@ -33,7 +33,7 @@ class FlightRecorderError(ValueError):
 
 
 def dump(folder: str | Path, run: str) -> Path:
-    """In a rank: write this rank's flight-recorder buffer under ``folder``; return the JSON path."""
+    """In a rank: write its flight-recorder buffer under ``folder``; return the JSON's path."""
     import torch
     import torch.distributed as dist
     folder = Path(folder)

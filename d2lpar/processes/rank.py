@@ -152,7 +152,8 @@ _stack_file = None
 
 
 def arm_stack_dump(path: str) -> None:
-    """On STACK_SIGNAL, write every thread's Python stack to ``path`` (the main thread's ident first)."""
+    """On STACK_SIGNAL, write every thread's Python stack to ``path`` (the main thread's ident
+    first)."""
     global _stack_file
     if STACK_SIGNAL is None or not hasattr(faulthandler, "register"):
         return

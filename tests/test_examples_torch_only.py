@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from d2lpar.processes.commands import REPO, leftovers, run
-from d2lpar.processes.launch import RankFailed
+from d2lpar.processes.launch import RankFailed, launch
 from tests.torch_only import LAUNCH_VARS, load_copy, run_in_ranks
 
 EXAMPLES = REPO / "d2lpar" / "examples"
@@ -154,19 +154,48 @@ def test_ddp_device_choice_with_faked_gpu_counts(tmp_path, monkeypatch):
     assert choose(3, 8, 0)[:2] == (cpu, "gloo")  # no CUDA: gloo on the CPU
     assert "no CUDA GPU" in choose(3, 8, 0)[2]
     assert choose(5, 8, 1)[:2] == (cuda(0), "nccl")  # srun --gpus-per-task=1: its one GPU is cuda:0
+    assert choose(0, 8, 1)[:2] == (cuda(0), "nccl")  # torchrun --virtual-local-rank: LOCAL_RANK=0
     assert choose(5, 8, 8)[:2] == (cuda(5), "nccl")  # all 8 visible: cuda:LOCAL_RANK
     assert choose(1, 2, 4)[:2] == (cuda(1), "nccl")  # more than enough
     assert choose(0, 1, 1)[:2] == (cuda(0), "nccl")  # one process, one GPU
     assert choose(5, 8, 8, cpu=True)[:2] == (cpu, "gloo")  # --cpu wins
-    assert choose(0, 1, 1, shared=True)[:2] == (cuda(0), "nccl")  # torchrun, one process, one GPU
     with pytest.raises(Usage, match=r"sees 2 GPU\(s\) but 8 processes run on this node: .*--cpu"):
         choose(5, 8, 2)
-    with pytest.raises(Usage, match=r"sees 1 GPU\(s\) but 2 processes"):  # torchrun x2 on one GPU
-        choose(1, 2, 1, shared=True)
-    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_TASKS_PER_NODE", "SLURM_NODEID"):
         monkeypatch.delenv(name, raising=False)
     assert ddp["per_node"]() == 1
-    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "8(x2)")
-    assert ddp["per_node"]() == 8
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "8(x2),3")
+    assert ddp["per_node"]() == 8  # no SLURM_NODEID: node 0
+    monkeypatch.setenv("SLURM_NODEID", "2")
+    assert ddp["per_node"]() == 3  # this node's entry, not the first one
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert ddp["per_node"]() == 4
+
+
+def test_ddp_shared_gpu_stops_every_rank_with_one_sentence(tmp_path, monkeypatch):
+    """The check after init, without a GPU: the pure rule on faked UUIDs, then the gather itself on
+    2 gloo ranks that are told they hold the same GPU (torchrun's 2 workers on a one-GPU node)."""
+    ddp = load_copy(EXAMPLES / "ddp_torch.py", tmp_path, monkeypatch)
+    shared = ddp["shared_gpus"]
+    assert shared(["GPU-a", "GPU-b", "GPU-c"]) is None  # every rank its own GPU
+    assert shared(["GPU-a", "GPU-b", "GPU-a"]).startswith(
+        "ranks 0 and 2 were given the same GPU (GPU-a): start one process per GPU")
+    copy = str(tmp_path / "ddp_torch.py")
+    results = launch(_gather_faked_uuids, 2, copy, False)
+    assert results == [("Usage", shared(["GPU-0", "GPU-0"]))] * 2  # both ranks, the same sentence
+    assert launch(_gather_faked_uuids, 2, copy, True) == [("ok", None)] * 2  # check can pass
+
+
+def _gather_faked_uuids(copy: str, distinct: bool):
+    """In a rank of a gloo group: claim GPU-0 (or GPU-<rank>) and run the script's check."""
+    import runpy
+
+    import torch.distributed as dist
+    script = runpy.run_path(copy, run_name="torch_only_copy")
+    uuid = f"GPU-{dist.get_rank() if distinct else 0}"
+    script["torch"].cuda.get_device_properties = lambda device: type("P", (), {"uuid": uuid})
+    try:  # (the patch lives in this rank's process only)
+        script["check_one_gpu_each"](torch.device("cuda", 0), dist.get_world_size())
+    except script["Usage"] as e:
+        return "Usage", str(e)
+    return "ok", None

@@ -16,16 +16,22 @@ the dead workers' addresses from a shared store and fail or hang; pytorch/pytorc
 --out must be one folder that every node sees: every rank resumes from the same last.pt, and
 ranks that find different epochs there stop with one sentence.
 
-The device (``choose_device``): under torchrun, whose workers on a node all see the same GPUs, each
-takes cuda:LOCAL_RANK when the node has a GPU per worker, and stops with one sentence when it has
-fewer (two workers on one GPU is what NCCL refuses). A process started otherwise (srun) that sees
-exactly one GPU uses cuda:0 (SLURM's ``--gpus-per-task=1``, or a per-process
-``CUDA_VISIBLE_DEVICES``). Without CUDA, or with ``--cpu``, gloo on the CPU. Rank 0 says which.
+The device (``choose_device``, then ``check_one_gpu_each``): a process that sees exactly one GPU
+uses cuda:0, its own (srun --gpus-per-task=1, torchrun --virtual-local-rank, a per-process
+CUDA_VISIBLE_DEVICES); one that sees all of its node's GPUs (torchrun, srun without binding) takes
+cuda:LOCAL_RANK when there are as many GPUs as processes on the node, and stops with one sentence
+when there are fewer. Right after init the ranks exchange their GPUs' UUIDs over gloo, before
+NCCL connects: two ranks on one GPU (what NCCL refuses, e.g. two torchrun workers on a one-GPU
+node) stop every rank with one sentence. Without CUDA, or with ``--cpu``, gloo on the CPU. Rank 0
+says which.
 
-The path: environment -> set_device -> init_process_group -> DDP -> DistributedSampler with
-set_epoch -> rank 0 saves model.module -> barrier -> destroy_process_group. ``--batch-size`` is the
-global batch: W ranks take B/W each, DDP averages their gradients, so W ranks end with one process's
-weights (to rounding). Every rank resumes from the last epoch's checkpoint (``--max-restarts``).
+The path: environment -> set_device -> init_process_group -> one GPU each -> DDP ->
+DistributedSampler with set_epoch -> rank 0 saves model.module -> barrier -> destroy_process_group.
+``--batch-size`` is the global batch: W ranks take B/W each, DDP averages their gradients, so W
+ranks end with one process's weights (to rounding). Every rank resumes from the last epoch's
+checkpoint (``--max-restarts``). A sentence raised after init (a shared GPU, different epochs) is a
+failed worker to torchrun: with --max-restarts=3 it restarts the group 3 times and the same
+sentence comes back each time.
 """
 
 import argparse
@@ -37,6 +43,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -63,32 +70,62 @@ def who_am_i() -> tuple[int, int, int]:
 
 
 def per_node() -> int:
-    """Processes on this node: torchrun's LOCAL_WORLD_SIZE, else SLURM's tasks per node, else 1."""
+    """Processes on this node: torchrun's LOCAL_WORLD_SIZE, else this node's entry of SLURM's
+    SLURM_TASKS_PER_NODE (it reads like "8(x2),3": 8 on nodes 0 and 1, 3 on node 2), else 1."""
     env = os.environ
-    value = (env.get("LOCAL_WORLD_SIZE") or env.get("SLURM_NTASKS_PER_NODE")
-             or env.get("SLURM_TASKS_PER_NODE") or "1")  # SLURM_TASKS_PER_NODE reads like "8(x2)"
-    return int(value.split("(")[0].split(",")[0])
+    if env.get("LOCAL_WORLD_SIZE"):
+        return int(env["LOCAL_WORLD_SIZE"])
+    if env.get("SLURM_TASKS_PER_NODE"):
+        counts = []
+        for part in env["SLURM_TASKS_PER_NODE"].split(","):
+            n, _, times = part.partition("(x")
+            counts += [int(n)] * int(times.rstrip(")") or 1)
+        return counts[int(env.get("SLURM_NODEID", 0))]
+    return 1
 
 
-def choose_device(local_rank: int, local_world: int, visible: int, cpu: bool = False,
-                  shared: bool = False) -> tuple[torch.device, str, str]:
-    """(device, backend, why) for a process that sees ``visible`` GPUs, with ``local_world`` on
-    its node. ``shared``: the node's processes all see the same GPUs (torchrun's workers do; srun's
-    tasks bound with --gpus-per-task=1 do not). One GPU per process: cuda:0 when each task sees
-    only its own, cuda:LOCAL_RANK when all are visible; fewer GPUs than processes: a Usage error
-    (two ranks on one GPU is what NCCL refuses)."""
+def choose_device(local_rank: int, local_world: int, visible: int,
+                  cpu: bool = False) -> tuple[torch.device, str, str]:
+    """(device, backend, why) for a process that sees ``visible`` GPUs, with ``local_world``
+    processes on its node. One GPU visible: cuda:0, its own (if others see the same one,
+    ``check_one_gpu_each`` stops the job after init). Several: cuda:LOCAL_RANK when there is one
+    for each process on the node, else a Usage error (two ranks on one GPU is what NCCL refuses)."""
     if cpu:
         return torch.device("cpu"), "gloo", "--cpu given: gloo on the CPU"
     if visible == 0:
         return torch.device("cpu"), "gloo", "no CUDA GPU visible: gloo on the CPU"
-    if visible == 1 and not (shared and local_world > 1):
+    if visible == 1:
         return torch.device("cuda", 0), "nccl", "one GPU visible to this process: cuda:0, NCCL"
-    if visible >= local_world:
+    if visible >= local_world and local_rank < visible:
         return (torch.device("cuda", local_rank), "nccl",
                 f"{visible} GPUs visible, {local_world} processes here: cuda:LOCAL_RANK, NCCL")
     raise Usage(f"this process sees {visible} GPU(s) but {local_world} processes run on this node: "
                 f"bind one GPU per process (srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES), "
                 f"start at most {visible} per node, or pass --cpu")
+
+
+def shared_gpus(uuids: list[str]) -> str | None:
+    """One sentence naming the ranks that share a GPU, or None when every rank has its own."""
+    first: dict[str, int] = {}
+    for rank, uuid in enumerate(uuids):
+        if uuid in first:
+            return (f"ranks {first[uuid]} and {rank} were given the same GPU ({uuid}): start one "
+                    f"process per GPU (srun --gpus-per-task=1, torchrun --nproc-per-node at most "
+                    f"the node's GPUs), or pass --cpu")
+        first[uuid] = rank
+    return None
+
+
+def check_one_gpu_each(device: torch.device, world: int) -> None:
+    """Every rank gathers every rank's GPU UUID over a gloo group, before NCCL connects (NCCL would
+    fail on a shared GPU with its own error), and all stop with the same sentence on a repeat."""
+    if device.type != "cuda" or world == 1:
+        return
+    uuids: list = [None] * world
+    dist.all_gather_object(uuids, str(torch.cuda.get_device_properties(device).uuid),
+                           group=dist.new_group(backend="gloo"))
+    if problem := shared_gpus(uuids):
+        raise Usage(problem)
 
 
 def make_data_and_model(n: int, seed: int) -> tuple[TensorDataset, nn.Module]:
@@ -120,22 +157,22 @@ def main(argv=None) -> None:
     except OSError as e:
         raise Usage(f"cannot write to --out {args.out} ({e.strerror}): give a folder you can write")
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    shared = "TORCHELASTIC_RUN_ID" in os.environ  # torchrun's workers see the same GPUs
-    device, backend, why = choose_device(local_rank, per_node(), visible, args.cpu, shared)
+    device, backend, why = choose_device(local_rank, per_node(), visible, args.cpu)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if rank == 0:
         print(f"rank 0 of {world}: {why}", flush=True)
     if world > 1:  # rank and world_size go together; env:// reads MASTER_ADDR and MASTER_PORT
-        gpu = device if device.type == "cuda" else None  # device_id: NCCL binds this GPU at once
         # timeout: torch's default (10 min with NCCL, 30 with gloo). It bounds every collective,
         # not only the start: a rank-0 save longer than it, while the others wait in the barrier,
         # kills the job; pass a longer timedelta for large models on a slow file system.
-        dist.init_process_group(backend, rank=rank, world_size=world, device_id=gpu)
+        # No device_id=: it would connect NCCL inside this call, before the GPU check below.
+        dist.init_process_group(backend, rank=rank, world_size=world)
     try:
+        check_one_gpu_each(device, world)
         train(args, rank, world, device)
         if world > 1:
-            dist.barrier()  # all done before any rank closes its connections
+            dist.barrier(**barrier_device(device))  # all done before any rank disconnects
     finally:  # also after an error, so that no rank waits for a dead group
         if dist.is_initialized():
             gc.collect()  # what still holds the group (DDP, a schedule) goes now, not at exit
@@ -152,7 +189,8 @@ def train(args, rank: int, world: int, device: torch.device) -> None:
         net.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start = state["epoch"] + 1
-        print(f"rank {rank}: resumed after epoch {start} from {path}", flush=True)
+        if rank == 0:
+                print(f"rank 0: resumed after epoch {start} from {path}", flush=True)
     if world > 1:  # every rank must resume from the same epoch, or they deadlock later
         first_last = torch.tensor([start, -start], device=device)
         dist.all_reduce(first_last, op=dist.ReduceOp.MAX)  # the latest and (minus) the earliest
@@ -182,7 +220,12 @@ def train(args, rank: int, world: int, device: torch.device) -> None:
             save_atomically({"model": plain.state_dict(), "optimizer": optimizer.state_dict(),
                              "epoch": epoch}, path)
         if world > 1:
-            dist.barrier()  # nobody goes on (or exits) before the checkpoint is complete
+            dist.barrier(**barrier_device(device))  # nobody goes on before the file is complete
+
+
+def barrier_device(device: torch.device) -> dict:
+    """NCCL's barrier is an all-reduce on a GPU: name this rank's (gloo's needs none)."""
+    return {"device_ids": [device.index]} if device.type == "cuda" else {}
 
 
 def save_atomically(state: dict, path: str) -> None:
@@ -199,8 +242,13 @@ def save_atomically(state: dict, path: str) -> None:
         os.close(folder)
 
 
-if __name__ == "__main__":
+@record  # under torchrun: an unexpected error's traceback goes into torchrun's failure summary
+def cli() -> None:
     try:
         main()
-    except Usage as e:
+    except Usage as e:  # one sentence, exit status 1 (a SystemExit, which @record passes on)
         sys.exit(f"{os.path.basename(sys.argv[0])}: error: {e}")
+
+
+if __name__ == "__main__":
+    cli()

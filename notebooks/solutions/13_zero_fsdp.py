@@ -129,7 +129,7 @@ def _fsdp_memory(width, layers):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-    cuda = dist.get_backend() == "nccl"
+    cuda = "nccl" in dist.get_backend_config()  # the launcher's GPU group: "cpu:gloo,cuda:nccl"
     device = torch.device("cuda", dist.get_rank()) if cuda else torch.device("cpu")
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)

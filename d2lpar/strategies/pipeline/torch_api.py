@@ -37,7 +37,8 @@ def torch_pipeline_worker(runs: list[tuple[str, list[nn.Module]]], X: torch.Tens
     gradients per stage (of the last step), its pipeline_order as strings, and the step times."""
     from torch.distributed import pipelining
     rank, p = dist.get_rank(), dist.get_world_size()
-    device = torch.device(f"cuda:{rank}") if dist.get_backend() == "nccl" else torch.device("cpu")
+    on_gpu = "nccl" in dist.get_backend_config()  # the launcher's GPU group is "cpu:gloo,cuda:nccl"
+    device = torch.device(f"cuda:{rank}") if on_gpu else torch.device("cpu")
     out = {}
     for name, stages in runs:
         cls_name = TORCH_SCHEDULES.get(name, name)

@@ -120,11 +120,13 @@ MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export OMP_NUM_THREADS=8             # 32 cores / 4 workers
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # restarts that work with torch 2.14.1 (notebook 8)
 
-srun --kill-on-bad-exit=1 torchrun --nnodes="$SLURM_NNODES" --nproc-per-node=4 --max-restarts=3 \\
+srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" \\
+    torchrun --nnodes="$SLURM_NNODES" --nproc-per-node=4 --max-restarts=3 \\
     --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:29400" --rdzv-id="$SLURM_JOB_ID" \\
-    d2lpar/examples/train_ddp.py --ckpt-dir "$HOME/checkpoints/train-ddp"
+    d2lpar/examples/ddp_torch.py --out "$HOME/checkpoints/train-ddp" &
+wait
 '''
-    path = build_dir("solutions_08") / "train_ddp_4x4.sbatch"
+    path = build_dir("solutions_08") / "ddp_torch_4x4.sbatch"
     path.write_text(sbatch)
     syntax = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=30)
     check_equal("bash reads the script without a syntax error", syntax.returncode, 0)

@@ -73,7 +73,8 @@ def _predict(model_fn, batch, k, gpus):
     flops_part, ops = cm.training_work(model_fn(), X, y)  # one device's share; FLOPs grow with the batch
     flops_one = flops_part * k
     gpu, link = cm.GPUS["V100, FP32"], gpus.device_link
-    phases = phases_per_step(4 * count_parameters(model_fn()), k, batch * 28 * 28 * 4, batch * 10 * 4)
+    P = 4 * count_parameters(model_fn())
+    phases = phases_per_step(P, k, batch * 28 * 28 * 4, batch * 10 * 4)
     on_link = sum(link.time(b) for _, b in phases["DataParallel"])   # its phases run in sequence
     return gpu.time(flops_one, ops), gpu.time(flops_part, ops) + on_link
 

@@ -2,20 +2,20 @@
 
 Every forward of ``nn.DataParallel(module, device_ids, output_device)``:
 
-1. **replicate** the module's parameters and buffers from ``device_ids[0]`` to every device (on
-   every step: the copies are thrown away afterwards);
-2. **scatter** the input along dimension 0 with ``Tensor.chunk`` semantics (chunks of
+1. **scatter** the input along dimension 0 with ``Tensor.chunk`` semantics (chunks of
    ceil(B/k) examples: 10 on 4 devices is 3, 3, 3, 1; 5 on 4 is 2, 2, 1 and only 3 devices are
    used, ``device_ids[:len(inputs)]``);
+2. **replicate** the module's parameters and buffers from ``device_ids[0]`` to every device that
+   got a chunk (on every step: the copies are thrown away afterwards);
 3. **parallel_apply**: each replica runs on its chunk, one Python thread per device;
 4. **gather** the outputs on ``output_device`` (default ``device_ids[0]``).
 
 Backward runs these in reverse, so the replicas' gradients are *summed onto device_ids[0]*, the
 only copy the optimizer updates. On GPUs the replicate is ``comm.broadcast_coalesced`` and the sum
 ``comm.reduce_add`` (NCCL broadcast and reduce when NCCL is there, a loop of copies otherwise);
-``traffic_per_step`` counts the bytes both ways and ``phases_per_step`` the bytes of each phase
-that runs after the other. ``moved`` counts the forward's bytes on the tensors. On a machine
-without a GPU ``nn.DataParallel`` just calls the module. ``SimulatedDataParallel`` takes the same four steps on any devices, simulated CPU devices
+``traffic_per_step`` counts the bytes both ways, ``phases_per_step`` those of each phase in turn;
+``moved`` counts them on the tensors. Without a GPU ``nn.DataParallel`` just calls the module.
+``SimulatedDataParallel`` takes the same four steps on any devices, simulated CPU devices
 included, so they can be watched; its gradients flow back to the one original module exactly as
 ``nn.DataParallel``'s do.
 
@@ -76,7 +76,7 @@ class SimulatedDataParallel(nn.Module):
 
     By default it splits the batch as torch does (``torch_chunk_sizes``: 10 on 4 devices is
     3, 3, 3, 1, and 5 on 4 uses 3 devices); ``gpu0_bsz`` gives device 0 that many examples (the
-    balanced variant); ``weights`` splits in proportion instead. ``trace`` keeps a list of lines describing the last forward.
+    balanced variant); ``weights`` splits in proportion. ``trace``: lines on the last forward.
     """
 
     def __init__(self, module: nn.Module, devices: Sequence[torch.device],
@@ -94,19 +94,19 @@ class SimulatedDataParallel(nn.Module):
         state = dict(self.module.named_parameters())
         state.update(self.module.named_buffers())
         nbytes = sum(v.numel() * v.element_size() for v in state.values())
-        # 2. (first, as torch does) scatter: a short batch may fill fewer chunks than devices,
-        # and only the devices that get a chunk are used
+        # 1. scatter (torch's order: scatter, then replicate): a short batch may fill fewer
+        # chunks than there are devices, and only the devices that get a chunk are used
         sizes = _chunk_sizes(len(x), len(self.devices), self.gpu0_bsz, self.weights)
         used = self.devices[:len(sizes)]
         n = len(used)
         xs = split_batch(x, None, used, sizes=sizes)
-        # 1. replicate: .to() is differentiable, so gradients come back to the original tensors.
+        # 2. replicate: .to() is differentiable, so gradients come back to the original tensors.
         copies = [{k: v.to(d) for k, v in state.items()} for d in used]
-        t.append(f"replicate      {nbytes} bytes of parameters from {used[0]} to each of "
-                 f"{n - 1} other device(s)")
         t.append(f"scatter        batch {tuple(x.shape)} -> " +
                  ", ".join(f"{d}: {tuple(c.shape)}" for d, c in zip(used, xs)) +
                  (f" ({len(self.devices) - n} device(s) unused)" if n < len(self.devices) else ""))
+        t.append(f"replicate      {nbytes} bytes of parameters from {used[0]} to each of "
+                 f"{n - 1} other device(s)")
         # 3. parallel_apply (threads on GPUs; simulated devices take turns)
         outs = [functional_call(self.module, c, (xi,)) if len(xi) else None
                 for c, xi in zip(copies, xs)]
@@ -114,10 +114,16 @@ class SimulatedDataParallel(nn.Module):
             f"{d}: {tuple(o.shape) if o is not None else '-'}" for d, o in zip(used, outs)))
         # 4. gather
         y = gather(outs, self.output_device)
-        # bytes counted on the tensors that go to or come from another device than device 0 (the
-        # output device for the gather): in the forward replicate and scatter out, gather in;
-        # when a backward runs, hooks count the outputs' gradients going back out and the
-        # replicas' gradients coming in (the reduce), as autograd delivers them
+        self._count_bytes(used, copies, xs, outs)
+        t.append(f"gather         outputs {tuple(y.shape)} on {self.output_device}")
+        self.trace = t
+        return y
+
+    def _count_bytes(self, used, copies, xs, outs) -> None:
+        """``moved``: bytes counted on the tensors that go to or come from another device than
+        device 0 (the output device for the gather). In the forward: replicate and scatter out,
+        gather in; when a backward runs, hooks count the outputs' gradients going back out and the
+        replicas' gradients coming in (the reduce), as autograd delivers them."""
         others = [i for i, d in enumerate(used) if d != self.output_device]
 
         def nbytes_of(ts):
@@ -138,9 +144,6 @@ class SimulatedDataParallel(nn.Module):
         for i in others:
             if outs[i] is not None and outs[i].requires_grad:
                 outs[i].register_hook(count("output gradients"))
-        t.append(f"gather         outputs {tuple(y.shape)} on {self.output_device}")
-        self.trace = t
-        return y
 
 
 class BalancedDataParallel(nn.DataParallel):

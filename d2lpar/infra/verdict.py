@@ -8,8 +8,9 @@ so that what the reader sees always agrees with the numbers above it. Each funct
   the limit is max(a, b) (perfect overlap), one after the other is their sum a + b. The verdict
   reads the share of the shorter job that hid, hidden = (a + b - overlapped) / min(a, b): at least
   85 % is "overlapped", at most 15 % "no overlap", in between "partly"; it prints the ratio
-  r = overlapped / max(a, b) and the sum's ratio beside it. Well below the limit (r < 0.85) no
-  overlap explains it: the cases were timed under different load, and the verdict says so. Where less than the whole of
+  r = overlapped / max(a, b) and the sum's ratio beside it. Below the limit (r < 0.95, beyond
+  timer noise) no overlap explains it: the cases were timed under different load, and the verdict
+  says so instead of calling it overlap. Where less than the whole of
   the shorter job hid and the machine is busy (a one-minute load average above 0.75 per core), the
   verdict adds that the machine was too busy to show the mechanism: a rank that waits for a core
   cannot overlap anything.
@@ -31,6 +32,9 @@ def hidden_fraction(overlapped: float, a: float, b: float) -> float:
     return (a + b - overlapped) / min(a, b)
 
 
+BELOW = 0.95  # an overlapped run this far under the longer job alone is the load's, not overlap's
+
+
 def overlap_verdict(overlapped: float, a: float, b: float, what: str = "transfer",
                     behind: str = "compute", close: float = 0.15) -> str:
     """One line on how much of the shorter of ``what`` (time b) and ``behind`` (time a) hid behind
@@ -41,7 +45,7 @@ def overlap_verdict(overlapped: float, a: float, b: float, what: str = "transfer
     limit, serial = max(a, b), a + b
     ratio, hidden = overlapped / limit, hidden_fraction(overlapped, a, b)
     figures = f"({ratio:.2f}x the limit; their sum {serial / limit:.2f}x)"
-    if ratio < 1 - close:   # less than the longer part alone: the runs did not see the same machine
+    if ratio < BELOW:   # less than the longer part alone: the runs did not see the same machine
         return f"below the limit {figures}: the cases ran under different load; time them again"
     if hidden >= 1 - close:
         short, long = (what, behind) if b <= a else (behind, what)

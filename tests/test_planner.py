@@ -57,3 +57,15 @@ def test_the_command_answers(capsys):
     assert PL.main(["--model", "gpt3-175b", "--cluster", "custom", "--gpus", "8", "--gpus-per-node", "8",
                     "--memory-gb", "1"]) == 2
     assert "no layout fits" in capsys.readouterr().out
+
+
+def test_megatron_recompute_reruns_fc2_and_the_two_all_reduces():
+    model, cluster = PL.MODELS["gpt3-175b"], PL.CLUSTERS["1024 A100-80GB"]
+    p = PL.evaluate(model, cluster, PL.Layout(16, 8, 8, zero=0, micro=96, checkpoint="full"))
+    q = PL.megatron_recompute(p, model, cluster)
+    assert abs(q.time["tensor"] - 1.5 * p.time["tensor"]) < 1e-12
+    b = model.batch // (16 * 96)
+    fc2 = 96 * 12 * 2 * b * model.seq * model.d * model.f / 8 / (cluster.peak_flops * cluster.utilisation)
+    assert abs(q.time["compute"] - p.time["compute"] - fc2) < 1e-9
+    sel = PL.evaluate(model, cluster, PL.Layout(16, 8, 8, zero=0, micro=96, checkpoint="selective"))
+    assert PL.megatron_recompute(sel, model, cluster) is sel

@@ -35,3 +35,19 @@ def test_table_2_zero3_falls_behind_ptdp_as_gpus_grow():
     assert [g for g, _ in rows] == [384, 768, 1536]
     assert all(z < p for _, (z, p) in rows)
     assert [z for _, (z, _) in rows] == sorted((z for _, (z, _) in rows), reverse=True)
+
+
+def test_table_2_priced_by_the_planner_keeps_the_batch_and_ranks_like_the_paper_from_768_gpus():
+    from d2lpar.cost import planner as P
+    model, cluster = P.MODELS["gpt3-175b"], P.CLUSTERS["1024 A100-80GB"]
+    priced = PUB.price_table_2(model, cluster)
+    for gpus, row in priced.items():
+        for scheme, (plan, tflops) in row.items():
+            lay = plan.layout
+            assert lay.dp * lay.tp * lay.pp == gpus and plan.fits
+            assert model.batch % (lay.dp * lay.micro) == 0
+        assert row["PTD-P"][0].layout.tp * row["PTD-P"][0].layout.pp == 96
+    zero3 = [priced[g]["ZeRO-3"][1] for g in sorted(priced)]
+    assert zero3 == sorted(zero3, reverse=True)                  # falls as GPUs are added
+    for g in (768, 1536):
+        assert priced[g]["ZeRO-3"][1] < priced[g]["PTD-P"][1]     # the paper's order

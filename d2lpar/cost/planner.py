@@ -35,7 +35,7 @@ from d2lpar.strategies.sharded.zero import model_state_bytes, sent_bytes
 __all__ = ["Model", "Cluster", "Layout", "Plan", "memory", "step_time", "evaluate", "plan", "describe",
            "layouts", "model_flops_per_step", "check_cluster", "by_degrees", "why_lost", "PRECISIONS",
            "check_layout", "MODELS", "CLUSTERS", "main", "MAX_MICRO", "korthikanti_layer_bytes",
-           "zero3_per_microbatch", "repriced"]
+           "zero3_per_microbatch", "repriced", "megatron_recompute"]
 
 GB = 1e9
 
@@ -281,6 +281,25 @@ def repriced(p: Plan, model: Model, cluster: Cluster, sp: bool | None = False) -
         mem["activations"] = act
     return Plan(lay, mem, zero3_per_microbatch(p, model, cluster),
                 sum(mem.values()) <= cluster.memory_gb * GB)
+
+
+def megatron_recompute(p: Plan, model: Model, cluster: Cluster) -> Plan:
+    """``p`` with full checkpointing priced as Megatron-LM reruns it: each layer's whole forward again
+    (``recompute_flops`` follows torch, which skips each segment's last product, fc2) with its two
+    tensor-parallel all-reduces (6 per layer and micro-batch, not 4). Other plans are returned as
+    they are."""
+    lay = p.layout
+    if lay.checkpoint != "full":
+        return p
+    t = dict(p.time)
+    b = model.batch // (lay.dp * lay.micro)
+    layers = math.ceil(model.layers / lay.pp)
+    fc2 = 2 * b * model.seq * model.d * model.f          # the product torch's recomputation skips
+    rate = cluster.peak_flops * cluster.utilisation
+    t["compute"] += lay.micro * layers * fc2 / lay.tp / rate
+    t["bubble"] = megatron_ratio(lay.pp, lay.micro) * t["compute"]
+    t["tensor"] *= 6 / 4
+    return Plan(lay, dict(p.memory), t, p.fits)
 
 
 def _divisors(n: int) -> list[int]:

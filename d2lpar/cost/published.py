@@ -16,8 +16,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from d2lpar.cost import planner as P
+
 __all__ = ["megatron_parameters", "MEGATRON_TABLE_1", "MEGATRON_TABLE_2", "megatron_days",
-           "megatron_step_flops", "torchtitan_mfu", "compute_bound_batch", "A100_PEAK"]
+           "megatron_step_flops", "table_2_layouts", "price_table_2", "torchtitan_mfu", "compute_bound_batch", "A100_PEAK"]
 
 A100_PEAK = 312e12   # dense bf16/fp16 FLOP/s of one A100, the peak Megatron-LM's percentages use
 
@@ -28,13 +32,39 @@ MEGATRON_TABLE_1 = [(1.7, 24, 2304), (3.6, 30, 3072), (7.5, 36, 4096), (18.4, 40
 
 
 # Megatron-LM's Table 2, the 175B model (96 layers, h = 12,288) at a batch of 1,536 sequences:
-# GPUs -> (ZeRO-3 without model parallelism, PTD-P) in teraFLOP/s per GPU, as the paper reports them
+# GPUs -> (ZeRO-3 without model parallelism, PTD-P with model-parallel size 96) in teraFLOP/s per GPU,
+# as the paper reports them
 MEGATRON_TABLE_2 = {384: (144, 153), 768: (88, 149), 1536: (44, 141)}
 
 
 def megatron_step_flops(B: int, s: int, l: int, h: int, V: int = 51200) -> float:
     """Eq. 3: FLOPs of one step of B sequences, the recomputed forward included."""
     return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+
+
+def table_2_layouts(model: P.Model, gpus: int, tp: int = 8, pp: int = 12) -> dict[str, P.Layout]:
+    """The two schemes of Table 2 on ``gpus`` GPUs as the planner's layouts, both fully checkpointed
+    (the recomputation eq. 3 counts): ZeRO-3 over every GPU without model parallelism, one
+    micro-batch per step (so its traffic is paid once per step, as the planner prices it); PTD-P
+    with tp x pp = Table 2's model-parallel size of 96 and one sequence per micro-batch (tp 8 x
+    pp 12 and the micro-batch size are the course's choice: the table gives only the product)."""
+    dp = gpus // (tp * pp)
+    return {"ZeRO-3": P.Layout(gpus, 1, 1, zero=3, micro=1, checkpoint="full"),
+            "PTD-P": P.Layout(dp, tp, pp, zero=0, micro=model.batch // dp, checkpoint="full")}
+
+
+def price_table_2(model: P.Model, cluster: P.Cluster, **kw) -> dict[int, dict[str, tuple]]:
+    """GPUs -> scheme -> (the planner's Plan, its TFLOP/s per GPU by eq. 3) for Table 2's rows, the
+    cluster resized to each row's GPUs; full recomputation priced as Megatron-LM runs it."""
+    flops = megatron_step_flops(model.batch, model.seq, model.layers, model.d, model.vocab)
+    out = {}
+    for gpus in MEGATRON_TABLE_2:
+        cl = dataclasses.replace(cluster, gpus=gpus, name=f"{gpus} GPUs")
+        out[gpus] = {}
+        for scheme, lay in table_2_layouts(model, gpus, **kw).items():
+            p = P.megatron_recompute(P.evaluate(model, cl, lay), model, cl)
+            out[gpus][scheme] = (p, flops / (p.step * gpus) / 1e12)
+    return out
 
 
 def megatron_parameters(l: int, h: int, V: int = 51200, s: int = 2048) -> float:

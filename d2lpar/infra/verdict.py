@@ -2,7 +2,8 @@
 
 A notebook that says "the copy hid behind the compute" in markdown is right on a quiet machine and
 wrong on a busy one. The course prints such conclusions instead, from the figures of the same run,
-so that what the reader sees always agrees with the numbers above it. Each function returns one line.
+so that what the reader sees always agrees with the numbers above it. Each function returns one
+line.
 
 * ``overlap_verdict(overlapped, a, b)``: two jobs of times a and b run together in ``overlapped``;
   the limit is max(a, b) (perfect overlap), one after the other is their sum a + b. The verdict
@@ -23,7 +24,9 @@ so that what the reader sees always agrees with the numbers above it. Each funct
 
 from __future__ import annotations
 
-__all__ = ["overlap_verdict", "hidden_fraction", "compare_verdict", "agreement_verdict", "busy_clause"]
+__all__ = [
+    "overlap_verdict", "hidden_fraction", "compare_verdict", "agreement_verdict", "busy_clause",
+]
 
 
 def hidden_fraction(overlapped: float, a: float, b: float) -> float:
@@ -55,7 +58,8 @@ def overlap_verdict(overlapped: float, a: float, b: float, what: str = "transfer
     return f"partly overlapped {figures}: {hidden:.0%} of the shorter one hid" + busy_clause()
 
 
-BUSY_PER_CORE = 0.75  # one-minute load average per core above which a timing shows the other programs
+# one-minute load average per core above which a timing shows the other programs
+BUSY_PER_CORE = 0.75
 
 
 def busy_clause() -> str:
@@ -80,14 +84,16 @@ def compare_verdict(name_a: str, a: float, name_b: str, b: float, spread: float 
         return (f"{name_a} took {ratio:.2f}x the time of {name_b}: no difference shown beyond "
                 f"the run-to-run spread of {spread:.0%}")
     word = "less" if ratio < 1 else "more"
-    return f"{name_a} took {ratio:.2f}x the time of {name_b} ({word} time, beyond the {spread:.0%} spread)"
+    return (f"{name_a} took {ratio:.2f}x the time of {name_b} "
+            f"({word} time, beyond the {spread:.0%} spread)")
 
 
 def agreement_verdict(what: str, measured: float, predicted: float, tolerance: float,
                       unit: str = "") -> str:
     """Whether ``measured`` is within ``tolerance`` (absolute, in ``unit``) of ``predicted``."""
     gap = measured - predicted
-    figures = f"measured {measured:.3f}{unit}, predicted {predicted:.3f}{unit}, gap {gap:+.3f}{unit}"
+    figures = (f"measured {measured:.3f}{unit}, predicted {predicted:.3f}{unit}, "
+               f"gap {gap:+.3f}{unit}")
     if abs(gap) <= tolerance:
         return f"{what} agrees with the prediction: {figures} (within {tolerance:g}{unit})"
     side = "above" if gap > 0 else "below"
@@ -97,4 +103,5 @@ def agreement_verdict(what: str, measured: float, predicted: float, tolerance: f
 def _positive(**times: float) -> None:
     bad = [f"{k}={v!r}" for k, v in times.items() if not v > 0]
     if bad:
-        raise ValueError(f"a verdict needs positive times; got {', '.join(bad)}: time the runs first")
+        raise ValueError(f"a verdict needs positive times; got {', '.join(bad)}: "
+                         f"time the runs first")

@@ -46,6 +46,7 @@ def test_hand_built_3d_equals_one_device(dp, tp, pp):
     assert r.losses == pytest.approx(losses, abs=1e-5)
     _grads_equal(r.grads, grads)
     _moved_and_equal(r.state, one.state_dict(), start)
+    assert r.copies_differ is not None and r.copies_differ <= 1e-6   # every rank's copy agrees
     assert torch.equal(model.state_dict()["0.tok.weight"], start["0.tok.weight"])   # caller's untouched
 
 

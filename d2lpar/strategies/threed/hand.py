@@ -158,7 +158,7 @@ def _worker(model, shape, batches, lr, microbatches, rate, warmup, gather, avera
         state = _rename(gather_full(stage, group=mesh.group("tp")), lo, bool(rate))
     keep = di == 0 and ti == 0
     return {"coords": mesh.coords, "groups": {n: mesh.ranks(n) for n in ("dp", "pp", "tp")},
-            "losses": losses, "steps": steps, "state": state if keep else None,
+            "losses": losses, "steps": steps, "state": state, "keep": keep,
             "grads": grads if keep else None}
 
 
@@ -171,6 +171,7 @@ class ThreeDResult:
     timeline: Timeline               # the last step: 1F1B actions and tensor-parallel all-reduces per rank
     step_times: list[float]          # per step, the slowest rank's seconds (barrier to optimizer step)
     grads: dict[str, torch.Tensor] | None = None   # the first step's averaged gradients, before AdamW
+    copies_differ: float | None = None   # the largest difference of any rank's copy from ``state``
 
     def grid_text(self) -> str:
         dp, pp, tp = self.shape
@@ -191,8 +192,11 @@ def run_3d(model: nn.Sequential, batches, dp: int = 2, tp: int = 2, pp: int = 2,
                      warmup, gather, average, timeout=timeout)
     state, grads = {}, {}
     for r in results:
-        state.update(r["state"] or {})
-        grads.update(r["grads"] or {})
+        if r["keep"]:
+            state.update(r["state"] or {})
+            grads.update(r["grads"] or {})
+    copies_differ = max((float((v - state[k]).abs().max()) for r in results
+                         for k, v in (r["state"] or {}).items()), default=None)
     last_pp = [r for r in results if r["coords"][1] == shape[1] - 1]
     dp = shape[0]
     losses = [sum(r["losses"][k] for r in last_pp if r["coords"][2] == 0) / dp
@@ -202,11 +206,12 @@ def run_3d(model: nn.Sequential, batches, dp: int = 2, tp: int = 2, pp: int = 2,
         last = r["steps"][-1]
         spans += [Span(*sp) for sp in last["spans"]]
         spans += [Span(f"rank {rank}", "all-reduce", a, b) for a, b in last["comms"]]
-        spans.append(Span(f"rank {rank}", "dp all-reduce", last["schedule_end"], last["end"]))
+        spans.append(Span(f"rank {rank}", "dp average + step", last["schedule_end"], last["end"]))
     steps = [max(r["steps"][k]["end"] for r in results) - min(r["steps"][k]["start"] for r in results)
              for k in range(len(batches))]
     groups = [{"rank": i, "coords": r["coords"], **r["groups"]} for i, r in enumerate(results)]
-    return ThreeDResult(tuple(shape), losses, state, groups, Timeline(spans), steps, grads or None)
+    return ThreeDResult(tuple(shape), losses, state, groups, Timeline(spans), steps, grads or None,
+                        copies_differ)
 
 
 def _layouts_worker(model, shapes, batches, microbatches, rate, warmup):

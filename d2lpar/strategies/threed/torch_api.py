@@ -34,6 +34,7 @@ class TorchThreeD:
     state: dict[str, torch.Tensor]
     step_times: list[float]   # per step, the slowest rank's seconds
     grads: dict[str, torch.Tensor]   # the first step's gradients, whole, before the optimizer step
+    copies_differ: float = 0.0   # the largest difference of any rank's (whole) copy from ``state``
 
 
 def run_torch_3d(model, batches, dp: int = 2, tp: int = 2, pp: int = 2, microbatches: int = 2,
@@ -53,6 +54,7 @@ def run_torch_3d(model, batches, dp: int = 2, tp: int = 2, pp: int = 2, microbat
     for r in results:
         state.update(r["state"])
         grads.update(r["grads"])
+    copies_differ = max(float((v - state[k]).abs().max()) for r in results for k, v in r["state"].items())
     losses = next(r["losses"] for r in results if r["losses"])
     steps = [max(r["seconds"][k] for r in results) for k in range(len(results[0]["seconds"]))]
-    return TorchThreeD(losses, state, steps, grads)
+    return TorchThreeD(losses, state, steps, grads, copies_differ)

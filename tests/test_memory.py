@@ -55,7 +55,22 @@ def test_channel_sends_an_all_gather_forward_and_a_reduce_scatter_backward():
     batch, n = 64, 4
     hidden = sum(SIZES[1:-1])
     one_pass = 4 * batch * hidden * (n - 1) / n     # one ring pass over every hidden output
-    assert all(f.sent == int(2 * one_pass) for f in footprints(SIZES, batch, n, "channel"))
+    final = 4 * batch * SIZES[-1] * (n - 1) / n      # the output, all-gathered for the loss
+    assert all(f.sent == int(2 * one_pass + final) for f in footprints(SIZES, batch, n, "channel"))
+
+
+def test_tensor_keeps_the_inner_activation_split_and_sends_at_pair_boundaries():
+    batch, n = 64, 4
+    t, c = footprints(SIZES, batch, n, "tensor"), footprints(SIZES, batch, n, "channel")
+    inner = 4 * batch * (SIZES[1] + SIZES[3])                  # inputs of the row layers
+    assert all(c[0].activations - f.activations == inner - inner // n for f in t)
+    ar = lambda d: 2 * (n - 1) / n * 4 * batch * d
+    assert all(f.sent == int(2 * ar(SIZES[2]) + ar(SIZES[4])) for f in t)
+    rows_bias = SIZES[2] + SIZES[4]                           # whole on every device
+    P = sum(a * b + b for a, b in zip(SIZES[:-1], SIZES[1:]))
+    assert sum(f.params for f in t) // 4 == P + (n - 1) * rows_bias
+    with pytest.raises(ValueError, match="odd"):
+        footprints((8, 4, 4, 2), 8, 2, "tensor")
 
 
 def test_data_plus_model():

@@ -13,7 +13,8 @@ Two definitions of "the bubble" are in use; this module gives both and the cours
 Interleaving v stages per rank cuts each stage's time by v but not the number of stages to fill, so
 the bubble is divided by v: (p - 1) / (v m + p - 1), ratio (p - 1) / (v m). ZB-H1 splits the backward
 into I (input gradient, on the critical path) and W (weight gradient, off it): the bubble becomes
-(p - 1)(tF + tI - tW) in a step of m (tF + tI + tW) plus the bubble (m >= p); with tF = tI = tW,
+(p - 1)(tF + tI - tW) in a step of m (tF + tI + tW) plus the bubble (m >= p; tW <= tF and tW <= tI,
+so that a W fits in the wait it fills); with tF = tI = tW,
 (p - 1) / (3 m + p - 1), a third of 1F1B's bubble time (Qi et al. 2023, section 2.1, Figure 3). With
 m < p the last Ws of ``d2lpar.strategies.pipeline.schedules.zb_h1`` cannot hide and the step is
 longer by (p - m) units: the FORMULAS entry for m < p describes that generator's W placement, not a

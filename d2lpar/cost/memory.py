@@ -24,6 +24,12 @@ saved tensors; the notebook checks it against the formula. ``footprints`` then s
   backward, the gradient of that whole input is a partial sum on every device, and each device
   needs only its own slice of it (the gradient of its own outputs one layer down): a
   reduce-scatter, the backward of the all-gather. Per hidden width d: 2 (n-1)/n * 4 B d bytes;
+  the last layer's output is all-gathered too (the loss needs all of it; each device then takes
+  its own slice of the loss's gradient, with no message): (n-1)/n * 4 B d_L more;
+* tensor (Megatron-LM): layers in (column, row) pairs; the inner activation stays split (each
+  device keeps 1/n of it), the pair's input is whole on every device; one all-reduce of each pair's
+  output forward, one of the gradient at each later pair's input backward (an even number of
+  layers);
 * data+model: d replicas of a k-stage model (n = d k).
 """
 
@@ -41,7 +47,8 @@ __all__ = ["mlp_activation_bytes", "Footprint", "footprints",
            "partition_layers", "STRATEGIES"]
 
 BYTES = 4  # fp32
-STRATEGIES = ("single", "data", "model", "pipeline-gpipe", "pipeline-1f1b", "channel", "data+model")
+STRATEGIES = ("single", "data", "model", "pipeline-gpipe", "pipeline-1f1b", "channel", "tensor",
+              "data+model")
 OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2}
 
 
@@ -128,7 +135,25 @@ def footprints(sizes: tuple[int, ...], batch: int, n: int, strategy: str,
             gather = sum(ring_rank_bytes("all_gather", BYTES * batch * d, n) for d in sizes[1:-1])
             scatter = sum(ring_rank_bytes("reduce_scatter", BYTES * batch * d, n)
                           for d in sizes[1:-1])
-            out.append(fp(i, p, batch * sum(acts), gather + scatter))
+            final = ring_rank_bytes("all_gather", BYTES * batch * sizes[-1], n)  # for the loss
+            out.append(fp(i, p, batch * sum(acts), gather + scatter + final))
+        return out
+    if strategy == "tensor":
+        L = len(sizes) - 1
+        if L % 2:
+            raise ValueError(f"tensor parallelism pairs the layers: {L} layers is odd")
+        out = []
+        for i in range(n):
+            p = 0
+            for j, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+                if j % 2 == 0:   # column: weight and bias split by output
+                    p += (a * b + b) // n + (i < (a * b + b) % n)
+                else:            # row: weight split by input rows, bias whole on every device
+                    p += (a * b) // n + (i < (a * b) % n) + b
+            act = batch * sum(acts[j] if j % 2 == 0 else acts[j] / n for j in range(L))
+            sent = sum(ring_rank_bytes("all_reduce", BYTES * batch * sizes[j], n)
+                       * (2 if j < L else 1) for j in range(2, L + 1, 2))
+            out.append(fp(i, p, act, sent))
         return out
     d = replicas if strategy == "data+model" else 1
     if n % d:

@@ -21,7 +21,7 @@ __all__ = ["even_sizes", "chunk_bounds", "split_sizes", "split_batch", "load_dig
 
 
 def even_sizes(total: int, n: int) -> list[int]:
-    """The course's one cutting rule: n parts whose sizes differ by at most one, the first ones larger.
+    """The course's one cutting rule: n parts whose sizes differ by at most one, the first larger.
 
     Parts may be empty when ``total < n`` (a ring cuts a short tensor this way); ``split_sizes``
     refuses that for batches, where every device needs at least one example.
@@ -41,14 +41,16 @@ def chunk_bounds(total: int, n: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def split_sizes(batch_size: int, n: int | None = None, *, weights: Sequence[float] | None = None) -> list[int]:
+def split_sizes(batch_size: int, n: int | None = None, *,
+                weights: Sequence[float] | None = None) -> list[int]:
     """Sizes of the parts of a batch: n near-equal parts, or one part per weight, in proportion."""
     if weights is None:
         if n is None or n < 1:
             raise ValueError(f"cannot split a batch into {n!r} parts: give n >= 1")
         if batch_size < n:
-            raise ValueError(f"a batch of {batch_size} cannot be split over {n} devices (each needs "
-                             f"at least one example): use a batch of at least {n}, or fewer devices")
+            raise ValueError(f"a batch of {batch_size} cannot be split over {n} devices (each "
+                             f"needs at least one example): use a batch of at least {n}, or fewer "
+                             f"devices")
         return even_sizes(batch_size, n)
     elif n is not None and n != len(weights):
         raise ValueError(f"n={n} but {len(weights)} weights were given: give one weight per device")

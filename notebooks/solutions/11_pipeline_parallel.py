@@ -38,7 +38,7 @@ def exercise_2():
 
 
 def exercise_3():
-    """ZB-H1's bubble (p-1)(tF + tI - tW) holds while tW <= tF; a longer W cannot hide more."""
+    """ZB-H1's bubble (p-1)(tF + tI - tW) holds while tW <= tF, tI; a longer W cannot hide more."""
     p, m = 4, 8
     for tw in (0.5, 1.0, 1.5):
         sim = simulate(P.zb_h1(p, m), {"F": 1.0, "I": 1.0, "W": tw})

@@ -186,9 +186,10 @@ def zb_h1(p: int, m: int) -> Schedule:
     Rank r: p - r warm-up forwards; then for each micro-batch k its I, the W of micro-batch k - r
     (rank r's Ws lag r micro-batches behind its Is), and the next forward; then the remaining Ws.
     Only F and I are on the critical path (the next stage waits for them, nobody waits for a W),
-    so the bubble shrinks from (p - 1)(tF + tB) to (p - 1)(tF + tI - tW) when m >= p. Every stage
-    holds at most min(p, m) micro-batches until their W: 1F1B's largest (its first stage's).
-    """
+    so the bubble shrinks from (p - 1)(tF + tB) to (p - 1)(tF + tI - tW) when m >= p and
+    tW <= tF, tI (a W then fits in the wait it fills; a longer W makes the step longer than that).
+    Every stage holds at most min(p, m) micro-batches until their W: 1F1B's largest (its first
+    stage's)."""
     _check(p, m)
     order = []
     for r in range(p):

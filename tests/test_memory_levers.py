@@ -86,13 +86,17 @@ def _policies():
 
 def test_fsdp2_collectives_move_the_policys_dtypes():
     res = launch(_policies, 2, timeout=60)[0]
-    start, ref = tiny_model().state_dict(), single_process_run(2, steps=2, micro=2)
+    grads = {}
+    start, ref = tiny_model().state_dict(), single_process_run(2, steps=2, micro=2, grads=grads)
     for rd, want in (("torch.float32", "float32"), ("torch.bfloat16", "bfloat16")):
         first, last = res[rd]["collectives"]
         assert {dt for kind, dt, _ in first + last if kind == "all_gather"} == {"bfloat16"}
         assert not [c for c in first if c[0] == "reduce_scatter"]          # accumulating: no reduction
         assert {dt for kind, dt, _ in last if kind == "reduce_scatter"} == {want}
         assert 0 < movement_error(res[rd]["weights"], ref, start) < 0.2
+        got = res[rd]["grads"]   # first-step gradients: AdamW would hide a factor in them
+        err = sum((got[k] - g).norm() ** 2 for k, g in grads.items()) ** 0.5
+        assert 0 < err / sum(g.norm() ** 2 for g in grads.values()) ** 0.5 < 0.05
 
 
 def test_fp8_error_and_what_the_scale_does():

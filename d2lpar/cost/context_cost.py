@@ -1,4 +1,5 @@
-"""What splitting the sequence costs: bytes per rank and time per attention layer, ring against Ulysses.
+"""What splitting the sequence costs: bytes per rank and time per attention layer, ring against
+Ulysses.
 
 For b sequences of S tokens of width d (elements of e bytes) on N ranks, per attention layer forward
 (the backward sends as much again):

@@ -36,8 +36,9 @@ def routed_bytes(counts_by_rank, rank: int, experts_per_rank: int, d: int,
 
 
 def moe_flops(T: int, k: int, d: int, hidden: int, matrices: int = 2) -> float:
-    """Forward FLOPs of the experts for T tokens, k experts each: ``matrices`` products of 2 d hidden
-    FLOPs per token (2: up and down; 3: a SwiGLU expert's gate, up and down, as Mixtral's)."""
+    """Forward FLOPs of the experts for T tokens, k experts each: ``matrices`` products of 2 d
+    hidden FLOPs per token (2: up and down; 3: a SwiGLU expert's gate, up and down, as
+    Mixtral's)."""
     return T * k * matrices * 2 * d * hidden
 
 

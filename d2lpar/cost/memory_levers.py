@@ -1,4 +1,5 @@
-"""Memory's levers as formulas: recomputing activations, lower precision, and a sharded model's bytes.
+"""Memory's levers as formulas: recomputing activations, lower precision, and a sharded model's
+bytes.
 
 **Activations of the course's transformer layer** (notebook 12, fp32, b sequences of s tokens, width
 d, a heads, MLP width f): ``tp_cost.activation_bytes`` counts what autograd saves,
@@ -6,19 +7,21 @@ d, a heads, MLP width f): ``tp_cost.activation_bytes`` counts what autograd save
 
     no checkpointing          L * A                      A: one layer's saved bytes
     full, every k layers      ceil(L/k) * X              X = 4bsd: only each segment's input is kept
-    selective (save matmuls)  L * 4bs(6d + f)            the input, and the outputs of qkv, out, fc1, fc2
+    selective (save matmuls)  L * 4bs(6d + f)            the input, and the outputs of qkv, out,
+                                                         fc1, fc2
 
-and the backward pass of a checkpointed segment first recomputes it, holding its k layers' A at once:
-the peak is M(k) = ceil(L/k) X + k A, smallest near **k = sqrt(L X / A)** (the sqrt(L) rule, for X ~ A).
-Extra forward FLOPs (matmuls, what ``FlopCounterMode`` counts): a full checkpoint recomputes the whole
-forward, L * (8bsd^2 + 4bs^2 d + 4bsdf), a third more than a training step's 3 forwards' worth, less
-the last product of each segment (ceil(L/k) * 2bsdf: torch stops recomputing once the backward has
-what it needs); saving the matmuls recomputes only the attention's two batched products, L * 4bs^2 d.
+and the backward pass of a checkpointed segment first recomputes it, holding its k layers' A at
+once: the peak is M(k) = ceil(L/k) X + k A, smallest near **k = sqrt(L X / A)** (the sqrt(L) rule,
+for X ~ A). Extra forward FLOPs (matmuls, what ``FlopCounterMode`` counts): a full checkpoint
+recomputes the whole forward, L * (8bsd^2 + 4bs^2 d + 4bsdf), a third more than a training step's 3
+forwards' worth, less the last product of each segment (ceil(L/k) * 2bsdf: torch stops recomputing
+once the backward has what it needs); saving the matmuls recomputes only the attention's two batched
+products, L * 4bs^2 d.
 
-**Bytes per parameter** with AdamW: fp32 training keeps 4 (weights) + 4 (gradients) + 8 (two moments)
-= 16; mixed precision keeps 2 (bf16 weights) + 2 (bf16 gradients) + 4 (fp32 master weights) + 8 = 16,
-and 20 when gradients are also accumulated in fp32 (the Ultra-Scale Playbook's table: 1B -> 16 / 20 GB,
-7B -> 112 / 140, 70B -> 1,120 / 1,400).
+**Bytes per parameter** with AdamW: fp32 training keeps 4 (weights) + 4 (gradients) + 8 (two
+moments) = 16; mixed precision keeps 2 (bf16 weights) + 2 (bf16 gradients) + 4 (fp32 master weights)
++ 8 = 16, and 20 when gradients are also accumulated in fp32 (the Ultra-Scale Playbook's table: 1B
+-> 16 / 20 GB, 7B -> 112 / 140, 70B -> 1,120 / 1,400).
 
 **A sharded model** (FSDP2 over N ranks, tensor parallelism of degree t first): of P parameters,
 P_split are cut in t (the linear layers' weights, and the biases of the column-parallel ones), the
@@ -46,7 +49,8 @@ __all__ = ["BYTES", "bytes_per_parameter", "playbook_table", "layer_activations"
            "korthikanti_selective_overhead"]
 
 # bytes per parameter: (weights, gradients, master weights, optimizer state, fp32 gradient buffer)
-BYTES = {"fp32": (4, 4, 0, 8, 0), "bf16 mixed": (2, 2, 4, 8, 0), "bf16 mixed, fp32 grads": (2, 2, 4, 8, 4)}
+BYTES = {"fp32": (4, 4, 0, 8, 0), "bf16 mixed": (2, 2, 4, 8, 0),
+         "bf16 mixed, fp32 grads": (2, 2, 4, 8, 4)}
 
 
 def bytes_per_parameter(kind: str = "bf16 mixed") -> int:
@@ -62,7 +66,8 @@ def playbook_table(sizes=(1e9, 7e9, 70e9)) -> list[tuple[float, float, float]]:
 
 
 def layer_activations(b: int, s: int, d: int, heads: int, hidden: int, t: int = 1) -> float:
-    """A: bytes one course transformer layer saves for its backward (fp32), per tensor-parallel rank."""
+    """A: bytes one course transformer layer saves for its backward (fp32), per tensor-parallel
+    rank."""
     return activation_bytes("layer", b, s, d, heads, hidden, t)
 
 
@@ -76,10 +81,12 @@ MODES = ("none", "full", "selective")
 
 def _mode(mode: str) -> None:
     if mode not in MODES:
-        raise ValueError(f"mode={mode!r}: use 'none', 'full' (every k layers) or 'selective' (save matmuls)")
+        raise ValueError(f"mode={mode!r}: use 'none', 'full' (every k layers) or 'selective' (save "
+                         "matmuls)")
 
 
-def saved_bytes(mode: str, L: int, b: int, s: int, d: int, heads: int, hidden: int, every: int = 1) -> float:
+def saved_bytes(mode: str, L: int, b: int, s: int, d: int, heads: int, hidden: int,
+                every: int = 1) -> float:
     """Bytes saved by the forward pass of L layers, kept until the backward pass."""
     _mode(mode)
     if mode == "none":
@@ -90,7 +97,8 @@ def saved_bytes(mode: str, L: int, b: int, s: int, d: int, heads: int, hidden: i
 
 
 def checkpoint_peak(L: int, k: int, X: float, A: float) -> float:
-    """M(k) = ceil(L/k) X + k A: the segments' inputs, and one segment recomputed for its backward."""
+    """M(k) = ceil(L/k) X + k A: the segments' inputs, and one segment recomputed for its
+    backward."""
     return math.ceil(L / k) * X + k * A
 
 
@@ -99,7 +107,8 @@ def best_spacing(L: int, X: float, A: float) -> float:
     return math.sqrt(L * X / A)
 
 
-def recompute_flops(mode: str, L: int, b: int, s: int, d: int, hidden: int, every: int = 1) -> float:
+def recompute_flops(mode: str, L: int, b: int, s: int, d: int, hidden: int,
+                    every: int = 1) -> float:
     """Extra forward matmul FLOPs that checkpointing adds to one training step.
 
     torch stops recomputing a segment once it has every tensor the backward needs: the segment's
@@ -115,8 +124,8 @@ def recompute_flops(mode: str, L: int, b: int, s: int, d: int, hidden: int, ever
 
 def korthikanti_selective_overhead(s: int, h: int, l: int, V: int) -> float:
     """Extra FLOPs of selective recomputation as Korthikanti et al. 2022 count them (Appendix A): a
-    step is 72 B s l h^2 (1 + s/6h + V/12lh); recomputing the core attention makes s/6h into s/3h, so
-    the extra share is (s/6h) / (1 + s/6h + V/12lh): the attention core's forward and backward
+    step is 72 B s l h^2 (1 + s/6h + V/12lh); recomputing the core attention makes s/6h into s/3h,
+    so the extra share is (s/6h) / (1 + s/6h + V/12lh): the attention core's forward and backward
     (12 b s^2 h per layer), where ``recompute_flops`` counts the recomputed forward (4 b s^2 h)."""
     return (s / (6 * h)) / (1 + s / (6 * h) + V / (12 * l * h))
 
@@ -126,10 +135,12 @@ def step_flops(L: int, b: int, s: int, d: int, hidden: int) -> float:
     return 3 * L * layer_flops(b, s, d, hidden)
 
 
-def split_parameters(layers: int, d: int, heads: int, hidden: int, vocab: int) -> tuple[int, int, int, int]:
+def split_parameters(layers: int, d: int, heads: int, hidden: int,
+                     vocab: int) -> tuple[int, int, int, int]:
     """(P_split, P_rest) of the whole model and (p_split, p_rest) of one layer, for the course's GPT
     (``d2lpar.strategies.memory.dry_run.GPTConfig``) under Megatron's column/row split."""
-    p_split = 3 * d * d + 3 * d + d * d + d * hidden + hidden + hidden * d   # qkv (w, b), out w, fc1 (w, b), fc2 w
+    # qkv (w, b), out w, fc1 (w, b), fc2 w
+    p_split = 3 * d * d + 3 * d + d * d + d * hidden + hidden + hidden * d
     p_rest = d + d + 4 * d   # out's and fc2's biases, two LayerNorms
     root = 2 * vocab * d + 2 * d   # embedding, output layer, final LayerNorm
     return layers * p_split, layers * p_rest + root, p_split, p_rest
@@ -149,10 +160,12 @@ def dry_run_formula(layers: int, d: int, heads: int, hidden: int, vocab: int, me
             raise ValueError(f"{name}={size} does not divide over tensor-parallel degree {t}")
     P_split, P_rest, p_split, p_rest = split_parameters(layers, d, heads, hidden, vocab)
     shard = sharded_bytes(P_split, P_rest, n, t)
-    tensors = layers * 12 + 4   # per layer: 2 LayerNorms and 4 linear layers (weight, bias); root: 4
+    # per layer: 2 LayerNorms and 4 linear layers (weight, bias); root: 4
+    tensors = layers * 12 + 4
     one_layer = 4 * (p_split / t + p_rest)
     root = 4 * (2 * vocab * d + 2 * d)
-    head = 4 * (2 * b * s * d + 2 * b * s + b * s * vocab) + 8   # final LayerNorm, output's input, log-softmax
+    # final LayerNorm, the output layer's input, log-softmax
+    head = 4 * (2 * b * s * d + 2 * b * s + b * s * vocab) + 8
     return {"sharded_param": shard, "sharded_grad": shard, "opt": 2 * shard + 4 * tensors,
             "unsharded_param": root, "all_gather": one_layer,
             "act": layers * layer_activations(b, s, d, heads, hidden, t) + head}

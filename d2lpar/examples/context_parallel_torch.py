@@ -31,14 +31,16 @@ def main(argv=None) -> float:
     p.add_argument("--head-dim", type=int, default=64)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        raise Usage("context_parallel needs CUDA GPUs in torch 2.14 (the CPU attention kernel has no "
-                    "sharding rule): run this on GPUs, or build ring attention by hand (notebook 15)")
+        raise Usage("context_parallel needs CUDA GPUs in torch 2.14 (the CPU attention kernel has "
+                    "no sharding rule): run this on GPUs, or build ring attention by hand "
+                    "(notebook 15)")
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import context_parallel_unshard
     world = int(os.environ.get("WORLD_SIZE", 1))
     if args.seq % (2 * world):
-        raise Usage(f"--seq {args.seq} must be a multiple of 2 x {world} ranks (the load-balanced split)")
+        raise Usage(f"--seq {args.seq} must be a multiple of 2 x {world} ranks "
+                    "(the load-balanced split)")
     if "RANK" not in os.environ:   # one GPU: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT="29511")

@@ -21,8 +21,9 @@ __all__ = ["saved_bytes", "count_flops", "peak_live_bytes"]
 
 
 def saved_bytes(fn, *exclude: nn.Module) -> int:
-    """Bytes of the tensors saved for backward while ``fn()`` runs (a tensor saved twice counts once,
-    keyed by the address of its first element: a slice of a bigger tensor counts its own elements)."""
+    """Bytes of the tensors saved for backward while ``fn()`` runs (a tensor saved twice counts
+    once, keyed by the address of its first element: a slice of a bigger tensor counts its own
+    elements)."""
     params = {p.untyped_storage().data_ptr() for m in exclude for p in m.parameters()}
     saved: dict[int, int] = {}
 
@@ -50,8 +51,8 @@ def peak_live_bytes(fn) -> int:
 
     A ``TorchDispatchMode`` sees every tensor an operation returns; a weak reference to its storage
     says when the storage is freed. Tensors made before ``fn`` (parameters, inputs) are not counted,
-    so run the forward *and* the backward inside ``fn`` (e.g. ``torch.autograd.grad(loss, x)``, which
-    makes no parameter gradients) to measure the activations, the recomputed segments and the
+    so run the forward *and* the backward inside ``fn`` (e.g. ``torch.autograd.grad(loss, x)``,
+    which makes no parameter gradients) to measure the activations, the recomputed segments and the
     backward's temporaries at their highest."""
     import weakref
 
@@ -68,7 +69,8 @@ def peak_live_bytes(fn) -> int:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                      if isinstance(t, torch.Tensor)}   # a view or an in-place result is no new memory
+                      # a view or an in-place result is no new memory
+                      if isinstance(t, torch.Tensor)}
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.device.type != "meta":
                     st = t.untyped_storage()

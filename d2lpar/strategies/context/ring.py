@@ -10,22 +10,24 @@ and passes it on (``isend`` to r + 1, ``irecv`` from r - 1), the send of the nex
 row: for each block, with scores z = q k^T / sqrt(d_h) (masked entries -inf),
 
     m_b = max z,   l_b = sum exp(z - m_b),   o_b = exp(z - m_b) v
-    m = max(m_old, m_b),   l = l_old e^(m_old - m) + l_b e^(m_b - m),   o = o_old e^(m_old - m) + o_b e^(m_b - m)
+    m = max(m_old, m_b),   l = l_old e^(m_old - m) + l_b e^(m_b - m),
+    o = o_old e^(m_old - m) + o_b e^(m_b - m)
 
-and the output is o / l: the same as one softmax over the whole row. **Backward** is autograd through
-these operations and through ``RingShift``, a send/receive whose backward sends the gradient the other
-way round the ring, so each block's key/value gradient returns to the rank that owns it. Two costs of
-that simplicity: autograd keeps every key/value block a rank received (the whole sequence's K and V,
-on every rank) and each block's scores; and the backward's transfers are waited for at once, so they
-do not overlap compute. A production ring (torch's ``_templated_ring_attention_backward``, Liu et
-al.'s Ring Attention) keeps only its own block and the log-sum-exp, sends K/V round the ring again
-in the backward with a second ring for dK/dV, and recomputes each block's scores, as flash attention
-does.
+and the output is o / l: the same as one softmax over the whole row. **Backward** is autograd
+through these operations and through ``RingShift``, a send/receive whose backward sends the gradient
+the other way round the ring, so each block's key/value gradient returns to the rank that owns it.
+Two costs of that simplicity: autograd keeps every key/value block a rank received (the whole
+sequence's K and V, on every rank) and each block's scores; and the backward's transfers are waited
+for at once, so they do not overlap compute. A production ring (torch's
+``_templated_ring_attention_backward``, Liu et al.'s Ring Attention) keeps only its own block and
+the log-sum-exp, sends K/V round the ring again in the backward with a second ring for dK/dV, and
+recomputes each block's scores, as flash attention does.
 
 **Causal masks and the zig-zag split.** With a causal mask a query attends to keys at or before it.
 Cut in N contiguous chunks, rank r's queries see r + 1 of the N chunks, the last of them a triangle:
-r + 1/2 blocks of work, so the last rank does 2N - 1 times the first one's work. Cut in 2N chunks, rank r holding chunks r and 2N - 1 - r, every rank does the same
-work. A (query chunk i, key chunk j) pair is full when j < i, triangular when j = i, skipped when j > i.
+r + 1/2 blocks of work, so the last rank does 2N - 1 times the first one's work. Cut in 2N chunks,
+rank r holding chunks r and 2N - 1 - r, every rank does the same work. A (query chunk i, key chunk
+j) pair is full when j < i, triangular when j = i, skipped when j > i.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ __all__ = ["chunk_ids", "split_sequence", "merge_sequence", "RingShift", "block_
 
 
 def chunk_ids(n: int, zigzag: bool) -> list[list[int]]:
-    """Which chunks of the sequence each of n ranks holds: [r] (n chunks) or [r, 2n-1-r] (2n chunks)."""
+    """Which chunks of the sequence each of n ranks holds: [r] (n chunks) or [r, 2n-1-r] (2n
+    chunks)."""
     return [[r, 2 * n - 1 - r] if zigzag else [r] for r in range(n)]
 
 
@@ -49,7 +52,8 @@ def split_sequence(x: torch.Tensor, n: int, zigzag: bool, dim: int = 2) -> list[
     """Each rank's part of x along ``dim`` (its chunks, concatenated in order)."""
     pieces = 2 * n if zigzag else n
     if x.shape[dim] % pieces:
-        raise ValueError(f"a sequence of {x.shape[dim]} tokens does not cut into {pieces} equal chunks "
+        raise ValueError(f"a sequence of {x.shape[dim]} tokens does not cut into {pieces} equal "
+                         "chunks "
                          f"({'2N for the zig-zag split' if zigzag else 'N'}, N = {n} ranks): use a "
                          f"length that is a multiple of {pieces}")
     chunks = x.chunk(pieces, dim)
@@ -86,7 +90,8 @@ def _shift(x: torch.Tensor, direction: int, counter: dict | None) -> torch.Tenso
     """Post the send and the receive and return the receive buffer; ``wait()`` before reading it."""
     rank, n = dist.get_rank(), dist.get_world_size()
     out = torch.empty_like(x)
-    works = [dist.isend(x.contiguous(), (rank + direction) % n), dist.irecv(out, (rank - direction) % n)]
+    works = [dist.isend(x.contiguous(), (rank + direction) % n),
+             dist.irecv(out, (rank - direction) % n)]
     if counter is not None:
         counter["sent"] = counter.get("sent", 0) + x.numel() * x.element_size()
         counter["messages"] = counter.get("messages", 0) + 1
@@ -104,7 +109,8 @@ def wait() -> None:
 
 
 def block_attention(q, k, v, kind: str):
-    """(o_b, m_b, l_b) of queries q against one key/value block; kind 'full' or 'causal' (diagonal)."""
+    """(o_b, m_b, l_b) of queries q against one key/value block; kind 'full' or 'causal'
+    (diagonal)."""
     z = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     if kind == "causal":
         z = z.masked_fill(torch.ones(z.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
@@ -131,13 +137,14 @@ def _kind(i: int, j: int, causal: bool) -> str | None:
 
 def ring_attention(q, k, v, causal: bool = False, zigzag: bool = False, counter: dict | None = None,
                    device_wait: float = 0.0, spans: list | None = None, blocks: list | None = None):
-    """This rank's attention output for its queries q (b, heads, s_local, d_h) over the whole sequence.
+    """This rank's attention output for its queries q (b, heads, s_local, d_h) over the whole
+    sequence.
 
     q, k, v hold this rank's chunks (``split_sequence``); ``counter`` counts the bytes sent;
     ``device_wait`` makes each block's computation last at least that long (a stand-in for a GPU,
     messages stay real); ``spans`` receives (lane, label, start, end) for a timeline; ``blocks``
-    receives each stacked key/value block this rank computes on (its own first), to see which of them
-    autograd keeps.
+    receives each stacked key/value block this rank computes on (its own first), to see which of
+    them autograd keeps.
     """
     rank, n = dist.get_rank(), dist.get_world_size()
     ids = chunk_ids(n, zigzag)
@@ -172,17 +179,20 @@ def ring_attention(q, k, v, causal: bool = False, zigzag: bool = False, counter:
             spans.append((f"rank {rank}", f"block {owner}", t1, t2))
             if step < n - 1:
                 spans.append((f"rank {rank} comm", f"send {owner}", t0, max(t2, t3)))
-    # Every shift's backward must run on every rank: it also *receives* the gradient of the block this
-    # rank sent. A block no query here attends to (a causal mask) would leave it out of the graph, and
-    # the neighbour would wait for ever: a zero-weight term keeps each received block in the graph.
+    # Every shift's backward must run on every rank: it also *receives* the gradient of the block
+    # this rank sent. A block no query here attends to (a causal mask) would leave it out of the
+    # graph, and the neighbour would wait for ever: a zero-weight term keeps each received block in
+    # the graph.
     return torch.cat([o / l for o, m, l in states], 2) + anchor
 
 
 def work_per_rank(n: int, causal: bool, zigzag: bool) -> list[float]:
-    """Query-key pairs each rank computes, in units of one (chunk x chunk) block; a triangle is 1/2."""
+    """Query-key pairs each rank computes, in units of one (chunk x chunk) block; a triangle is
+    1/2."""
     ids = chunk_ids(n, zigzag)
     every = [j for r in range(n) for j in ids[r]]
-    return [sum({"full": 1.0, "causal": 0.5, None: 0.0}[_kind(i, j, causal)] for i in ids[r] for j in every)
+    weight = {"full": 1.0, "causal": 0.5, None: 0.0}
+    return [sum(weight[_kind(i, j, causal)] for i in ids[r] for j in every)
             for r in range(n)]
 
 

@@ -1,14 +1,15 @@
 """DeepSpeed-Ulysses: an all-to-all turns a sequence split into a head split, and back.
 
-Each of N ranks holds S/N tokens of q, k and v for all a heads. Attention is independent per head, so
-one all-to-all per tensor regroups them: rank r sends rank p the heads p a/N .. (p+1) a/N - 1 of its
-tokens and receives its own heads for every token; now each rank holds the whole sequence for a/N
-heads and runs ordinary attention on it (``scaled_dot_product_attention``, causal or not, no change
-at all). A fourth all-to-all sends the outputs back to a sequence split. Each all-to-all moves
-(N-1)/N of a rank's b (S/N) d elements, so a rank sends 4 (N-1)/N * b S d / N elements per layer
-forward, a fraction 1/N of ring attention's (N-1) * 2 b S d / N: Ulysses' traffic per rank falls as
-N grows, the ring's does not. The catch: the heads must divide over the ranks (a % N == 0), so N is at
-most a (and with grouped-query attention, at most the number of key/value heads without copies).
+Each of N ranks holds S/N tokens of q, k and v for all a heads. Attention is independent per head,
+so one all-to-all per tensor regroups them: rank r sends rank p the heads p a/N .. (p+1) a/N - 1 of
+its tokens and receives its own heads for every token; now each rank holds the whole sequence for
+a/N heads and runs ordinary attention on it (``scaled_dot_product_attention``, causal or not, no
+change at all). A fourth all-to-all sends the outputs back to a sequence split. Each all-to-all
+moves (N-1)/N of a rank's b (S/N) d elements, so a rank sends 4 (N-1)/N * b S d / N elements per
+layer forward, a fraction 1/N of ring attention's (N-1) * 2 b S d / N: Ulysses' traffic per rank
+falls as N grows, the ring's does not. The catch: the heads must divide over the ranks (a % N == 0),
+so N is at most a (and with grouped-query attention, at most the number of key/value heads without
+copies).
 
 ``AllToAll`` is differentiable: its backward is the all-to-all that undoes it.
 """
@@ -23,7 +24,8 @@ __all__ = ["AllToAll", "seq_to_heads", "heads_to_seq", "ulysses_attention"]
 
 
 class AllToAll(torch.autograd.Function):
-    """Scatter ``x`` along ``scatter_dim`` to the ranks and gather their pieces along ``gather_dim``."""
+    """Scatter ``x`` along ``scatter_dim`` to the ranks and gather their pieces along
+    ``gather_dim``."""
 
     @staticmethod
     def forward(ctx, x, scatter_dim: int, gather_dim: int, counter):

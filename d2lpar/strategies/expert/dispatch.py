@@ -5,17 +5,17 @@ rank p holds experts p E/N .. (p+1) E/N - 1. One forward pass:
 
 1. **route** locally (``moe.route``: top-k, capacity per rank, as GShard's groups);
 2. **sort** the kept assignments by expert, so that each destination rank's tokens are contiguous;
-3. **exchange counts** (``all_to_all_single`` of the per-expert counts): a rank cannot receive tokens
-   before it knows how many will come from each rank, for each of its experts;
+3. **exchange counts** (``all_to_all_single`` of the per-expert counts): a rank cannot
+   receive tokens before it knows how many will come from each rank, for each of its experts;
 4. **dispatch** the tokens (``all_to_all_single`` with those split sizes);
 5. run each local expert on the tokens it received;
 6. **combine**: the reverse all-to-all sends each result home, where it is weighted by the router's
    probability and added at its token's place, in the original order.
 
-Bytes a rank sends: d * element_size per assignment routed to another rank, once to dispatch and once
-more (the results) to combine; with an even router, T k (N-1)/N assignments leave each rank. The
-all-to-alls are differentiable (``AllToAllSingle``: backward swaps the split sizes), so the experts'
-and the router's gradients come back by the same path.
+Bytes a rank sends: d * element_size per assignment routed to another rank, once to dispatch and
+once more (the results) to combine; with an even router, T k (N-1)/N assignments leave each rank.
+The all-to-alls are differentiable (``AllToAllSingle``: backward swaps the split sizes), so the
+experts' and the router's gradients come back by the same path.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def _a2a(x, send, recv, counter):
     if counter is not None:
         me = dist.get_rank()
         row = x[0].numel() * x.element_size() if len(x) else 0
-        counter["sent"] = counter.get("sent", 0) + sum(n for p, n in enumerate(send) if p != me) * row
+        away = sum(n for p, n in enumerate(send) if p != me)   # rows for other ranks
+        counter["sent"] = counter.get("sent", 0) + away * row
     return out
 
 
@@ -61,7 +62,8 @@ def check_same_moe(sizes: dict[str, int]) -> None:
         for (name, a), b in zip(sizes.items(), theirs.tolist()):
             if a != b:
                 raise ValueError(f"the ranks disagree on the mixture: rank {dist.get_rank()} has "
-                                 f"{name}={a}, rank {r} has {name}={b}; build the same MoE on every rank")
+                                 f"{name}={a}, rank {r} has {name}={b}; build the same MoE on "
+                                 "every rank")
 
 
 class ExpertParallelMoE(nn.Module):
@@ -77,7 +79,8 @@ class ExpertParallelMoE(nn.Module):
         n, rank = dist.get_world_size(), dist.get_rank()
         check_same_moe({"E": experts, "d": d, "hidden": hidden, "k": k})
         if experts % n:
-            raise ValueError(f"E = {experts} experts do not divide over {n} ranks: use a multiple of {n}")
+            raise ValueError(f"E = {experts} experts do not divide over {n} ranks: use a multiple "
+                             f"of {n}")
         self.E, self.k, self.capacity_factor, self.local = experts, k, capacity_factor, experts // n
         self.first = rank * self.local
         self.router = nn.Linear(d, experts, bias=False)
@@ -109,6 +112,7 @@ class ExpertParallelMoE(nn.Module):
                 size = int(from_rank[src, e])
                 outs.append(self.experts(arrived[start:start + size], e))
                 start += size
-        back = AllToAllSingle.apply(torch.cat(outs) if outs else arrived, recv, send, self.counter)   # 6.
+        back = AllToAllSingle.apply(torch.cat(outs) if outs else arrived, recv, send,   # 6.
+                                    self.counter)
         weighted = back * r.weight[token, choice, None]
         return torch.zeros_like(x).index_add(0, token, weighted)

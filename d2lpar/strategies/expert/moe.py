@@ -1,22 +1,23 @@
 """A mixture-of-experts MLP on one device: a router picks k of E experts per token.
 
 **Routing.** The router is a linear layer giving each token E logits; softmax turns them into
-probabilities p_e, each token goes to its k most probable experts, and its output is the sum of those
-experts' outputs weighted by their probabilities renormalised over the k (for k = 1: p_e itself, as
-in Switch Transformer, so the router gets a gradient).
+probabilities p_e, each token goes to its k most probable experts, and its output is the sum of
+those experts' outputs weighted by their probabilities renormalised over the k (for k = 1: p_e
+itself, as in Switch Transformer, so the router gets a gradient).
 
 **Capacity.** An expert takes at most C = ceil(capacity_factor * T k / E) of the T tokens (T k
 assignments spread over E experts, times a margin). Assignments beyond C, in token order, are
-*dropped*: that choice contributes nothing (the token passes through the residual outside this layer).
-Dropped = sum_e max(0, n_e - C) for n_e assignments to expert e.
+*dropped*: that choice contributes nothing (the token passes through the residual outside this
+layer). Dropped = sum_e max(0, n_e - C) for n_e assignments to expert e.
 
 **Load balancing.** Nothing stops the router from sending most tokens to a few experts (which then
 drop them, and whose ranks do all the work). The auxiliary loss of Switch Transformer,
 
-    aux = E * sum_e f_e P_e,   f_e = fraction of assignments to e,   P_e = mean router probability of e,
+    aux = E * sum_e f_e P_e,   f_e = fraction of assignments to e,
+    P_e = mean router probability of e,
 
-is 1 for a perfectly even router and grows as the load concentrates; adding alpha * aux (alpha ~ 0.01)
-to the loss pushes the router towards balance (f_e carries no gradient, P_e does).
+is 1 for a perfectly even router and grows as the load concentrates; adding alpha * aux (alpha ~
+0.01) to the loss pushes the router towards balance (f_e carries no gradient, P_e does).
 """
 
 from __future__ import annotations
@@ -32,21 +33,26 @@ __all__ = ["check_moe", "Routing", "route", "capacity", "Experts", "MoE"]
 
 def check_moe(d: int, experts: int, k: int, capacity_factor: float | None) -> None:
     if experts < 1 or d < 1:
-        raise ValueError(f"experts={experts}, d={d}: a mixture needs at least 1 expert of width >= 1")
+        raise ValueError(f"experts={experts}, d={d}: a mixture needs at least 1 expert of width >= "
+                         "1")
     if not 1 <= k <= experts:
         raise ValueError(f"k={k}: a router picks between 1 and E = {experts} experts per token")
     if capacity_factor is not None and not capacity_factor > 0:
-        raise ValueError(f"capacity_factor={capacity_factor}: give a number above 0 (1.0: room for an "
+        raise ValueError(f"capacity_factor={capacity_factor}: give a number above 0 (1.0: room for "
+                         "an "
                          "even split; None: no limit)")
 
 
 def capacity(tokens: int, k: int, experts: int, capacity_factor: float | None) -> int:
     """C = ceil(capacity_factor * T k / E); no limit (T k) when capacity_factor is None."""
-    return tokens * k if capacity_factor is None else math.ceil(capacity_factor * tokens * k / experts)
+    if capacity_factor is None:
+        return tokens * k
+    return math.ceil(capacity_factor * tokens * k / experts)
 
 
 class Routing:
-    """Which experts each token goes to: ``expert`` and ``weight`` (T, k), ``kept`` (T, k) booleans."""
+    """Which experts each token goes to: ``expert`` and ``weight`` (T, k), ``kept`` (T, k)
+    booleans."""
 
     def __init__(self, expert, weight, kept, probs):
         self.expert, self.weight, self.kept, self.probs = expert, weight, kept, probs
@@ -74,7 +80,7 @@ def route(logits: torch.Tensor, k: int, capacity_factor: float | None) -> Routin
     weight = top if k == 1 else top / top.sum(-1, keepdim=True)
     C = capacity(T, k, E, capacity_factor)
     # position of each assignment in its expert's queue, in token order (first choices first)
-    flat = expert.t().reshape(-1)                          # choice-major: every token's 1st, then 2nd
+    flat = expert.t().reshape(-1)   # choice-major: every token's 1st, then 2nd
     onehot = F.one_hot(flat, E)
     position = ((onehot.cumsum(0) - 1) * onehot).sum(-1)
     kept = (position < C).view(k, T).t()
@@ -113,5 +119,6 @@ class MoE(nn.Module):
         for e in range(self.E):
             token, choice = ((r.expert == e) & r.kept).nonzero(as_tuple=True)
             if len(token):
-                out = out.index_add(0, token, self.experts(x[token], e) * r.weight[token, choice, None])
+                y = self.experts(x[token], e) * r.weight[token, choice, None]
+                out = out.index_add(0, token, y)
         return out

@@ -14,8 +14,8 @@ saving, and backpropagates through that. Three ways to use it on a stack of L la
   compute and drops the largest tensors (the b x a x s x s attention scores);
 * **none**: everything saved, nothing recomputed.
 
-The gradients are the same in all three: recomputation repeats the same operations on the same inputs
-(bitwise on the CPU; a GPU's non-deterministic kernels may differ in the last bits).
+The gradients are the same in all three: recomputation repeats the same operations on the same
+inputs (bitwise on the CPU; a GPU's non-deterministic kernels may differ in the last bits).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
 
 __all__ = ["MATMULS", "save_ops_policy", "CheckpointedStack"]
 
@@ -34,7 +35,8 @@ MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
 
 
 def save_ops_policy(ops):
-    """A selective-checkpointing policy that saves the outputs of ``ops`` and recomputes the rest."""
+    """A selective-checkpointing policy that saves the outputs of ``ops`` and recomputes the
+    rest."""
     ops = tuple(ops)
     if not ops:
         raise ValueError("a selective checkpointing policy that saves no op recomputes everything, "
@@ -42,7 +44,8 @@ def save_ops_policy(ops):
                          "mode='full'")
     bad = [op for op in ops if not isinstance(op, torch._ops.OpOverload)]
     if bad:
-        raise ValueError(f"{bad[0]!r} is not an aten op overload: name ops as torch.ops.aten.mm.default")
+        raise ValueError(f"{bad[0]!r} is not an aten op overload: name ops as "
+                         "torch.ops.aten.mm.default")
 
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE

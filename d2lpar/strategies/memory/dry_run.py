@@ -1,11 +1,12 @@
-"""A large model's memory per GPU, planned on a laptop: FSDP2 (and tensor parallelism) on fake tensors.
+"""A large model's memory per GPU, planned on a laptop: FSDP2 (and tensor parallelism) on fake
+tensors.
 
-``torch.distributed``'s *fake* backend answers every collective at once without sending anything, and
-``FakeTensorMode`` makes tensors that have a shape, a dtype and a device but no storage: a model of
-8 billion parameters "allocates" nothing. Together they let one process play rank 0 of a world of
+``torch.distributed``'s *fake* backend answers every collective at once without sending anything,
+and ``FakeTensorMode`` makes tensors that have a shape, a dtype and a device but no storage: a model
+of 8 billion parameters "allocates" nothing. Together they let one process play rank 0 of a world of
 64 and run torch's real sharding code (``fully_shard``, ``parallelize_module``) and a real training
-step (forward, backward, ``AdamW.step``). ``FSDPMemTracker`` follows every tensor as it is created and
-freed and files it under a category, so its peaks are what rank 0 of the real job would hold:
+step (forward, backward, ``AdamW.step``). ``FSDPMemTracker`` follows every tensor as it is created
+and freed and files it under a category, so its peaks are what rank 0 of the real job would hold:
 
     sharded parameters   4P/N           what each rank keeps between steps (fp32)
     sharded gradients    4P/N           after the reduce-scatter
@@ -14,8 +15,8 @@ freed and files it under a category, so its peaks are what rank 0 of the real jo
     all-gather and reduce-scatter buffers, activations, temporaries
 
 (P parameters, N ranks in the sharding dimension; with tensor parallelism of degree t, the blocks'
-parameters are first cut in t, then each piece sharded over N/t). ``dry_run`` returns these figures for
-a model built by ``model_fn`` on a mesh of ``mesh_shape``; ``d2lpar.cost.memory_levers`` has the
+parameters are first cut in t, then each piece sharded over N/t). ``dry_run`` returns these figures
+for a model built by ``model_fn`` on a mesh of ``mesh_shape``; ``d2lpar.cost.memory_levers`` has the
 formulas they are checked against.
 """
 
@@ -49,12 +50,14 @@ class GPTConfig:
     def parameters(self) -> int:
         layer = 4 * self.d * self.d + 4 * self.d + 2 * self.d * self.hidden + self.hidden + self.d \
             + 4 * self.d   # qkv and out (with biases), fc1 and fc2 (with biases), two LayerNorms
-        return self.layers * layer + 2 * self.vocab * self.d + 2 * self.d   # embedding, output, final norm
+        # embedding, output, final norm
+        return self.layers * layer + 2 * self.vocab * self.d + 2 * self.d
 
 
 # Llama 3 8B and 70B's widths, depths, heads and vocabulary. Their layers (grouped-query attention,
 # a 3-matrix SwiGLU MLP) hold as many parameters as the course's layer with these MLP widths, so the
-# models have Llama's parameter counts (8.03 B and 70.6 B) and the activations of the course's layer.
+# models have Llama's parameter counts (8.03 B and 70.6 B) and the activations of the
+# course's layer.
 LLAMA_8B_LIKE = GPTConfig(layers=32, d=4096, heads=32, hidden=18432, vocab=128256)
 LLAMA_70B_LIKE = GPTConfig(layers=80, d=8192, heads=64, hidden=35840, vocab=128256)
 
@@ -64,7 +67,8 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.emb = nn.Embedding(cfg.vocab, cfg.d)
-        self.layers = nn.ModuleList(TransformerLayer(cfg.d, cfg.heads, cfg.hidden) for _ in range(cfg.layers))
+        self.layers = nn.ModuleList(TransformerLayer(cfg.d, cfg.heads, cfg.hidden)
+                                    for _ in range(cfg.layers))
         self.norm, self.out = nn.LayerNorm(cfg.d), nn.Linear(cfg.d, cfg.vocab, bias=False)
 
     def forward(self, tokens):
@@ -111,10 +115,12 @@ def _check(mesh_shape, plan, cfg: GPTConfig | None, world: int | None):
     if not shape or any(not isinstance(n, int) or n < 1 for n in shape):
         raise ValueError(f"mesh_shape={mesh_shape!r}: give positive integers, e.g. (8,) or (4, 2)")
     if len(shape) != (1 if plan == "fsdp" else 2):
-        raise ValueError(f"plan {plan!r} needs a mesh of {1 if plan == 'fsdp' else 2} dimension(s), "
+        raise ValueError(f"plan {plan!r} needs a mesh of {1 if plan == 'fsdp' else 2} "
+                         "dimension(s), "
                          f"got {shape}")
     if world is not None and math.prod(shape) != world:
-        raise ValueError(f"the mesh {shape} holds {math.prod(shape)} ranks, not the world of {world}: "
+        raise ValueError(f"the mesh {shape} holds {math.prod(shape)} ranks, not the world of "
+                         f"{world}: "
                          "make the product of the mesh's sizes the world size")
     if cfg is not None and plan == "fsdp+tp":
         t = shape[1]
@@ -125,10 +131,13 @@ def _check(mesh_shape, plan, cfg: GPTConfig | None, world: int | None):
 
 
 def _tensor_parallel(model: GPT, mesh) -> None:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
     for layer in model.layers:
-        parallelize_module(layer, mesh, {"attn.qkv": ColwiseParallel(), "attn.out": RowwiseParallel(),
-                                         "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()})
+        parallelize_module(layer, mesh, {"attn.qkv": ColwiseParallel(),
+                                         "attn.out": RowwiseParallel(),
+                                         "mlp.fc1": ColwiseParallel(),
+                                         "mlp.fc2": RowwiseParallel()})
 
 
 def dry_run(model_fn, mesh_shape=(8,), plan: str = "fsdp", batch: int = 1, seq: int = 2048,
@@ -137,12 +146,12 @@ def dry_run(model_fn, mesh_shape=(8,), plan: str = "fsdp", batch: int = 1, seq: 
     ``mesh_shape`` and run two training steps (AdamW); return rank 0's bytes per category.
 
     plan: 'fsdp' (``fully_shard`` per layer and at the root, mesh (N,)) or 'fsdp+tp' (mesh (dp, tp):
-    the layers' linear layers split over tp with ``parallelize_module``, then ``fully_shard`` over dp).
-    Runs in this process; a process group already initialised here is refused (the fake one must be
-    the only one). ``param_dtype`` (e.g. torch.bfloat16): ``fully_shard(..., mp_policy=
+    the layers' linear layers split over tp with ``parallelize_module``, then ``fully_shard`` over
+    dp). Runs in this process; a process group already initialised here is refused (the fake one
+    must be the only one). ``param_dtype`` (e.g. torch.bfloat16): ``fully_shard(..., mp_policy=
     MixedPrecisionPolicy(param_dtype, reduce_dtype=torch.float32))``, so gathered parameters,
-    activations and gradients are bf16 while the shards and AdamW stay fp32. ``log(text)`` is called as
-    the run goes (sharded, each step done).
+    activations and gradients are bf16 while the shards and AdamW stay fp32. ``log(text)`` is called
+    as the run goes (sharded, each step done).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -153,7 +162,8 @@ def dry_run(model_fn, mesh_shape=(8,), plan: str = "fsdp", batch: int = 1, seq: 
     _check(mesh_shape, plan, None, world)
     shape = tuple(mesh_shape)
     if dist.is_initialized():
-        raise RuntimeError("dry_run starts its own fake process group: call it outside a launched rank "
+        raise RuntimeError("dry_run starts its own fake process group: call it outside a launched "
+                           "rank "
                            "(in the notebook's own process)")
     t0 = time.perf_counter()
     dist.init_process_group("fake", rank=0, world_size=math.prod(shape), store=FakeStore())

@@ -7,9 +7,9 @@ underflow; the product is then ``(a8 @ b8) * s_a * s_b``, which ``torch._scaled_
 the scales applied in higher precision (``out_dtype``). Without the scale (s = 1) values above 448
 saturate and values below 2^-9 become 0. One outlier sets amax for the whole tensor, so every other
 entry is quantised more coarsely: per-tensor scaling pays for outliers everywhere. ``rowwise=True``
-gives each row of ``a`` (and each column of ``b``) its own scale, so an outlier coarsens only its own
-row (torchao's float8 "rowwise" recipe; its default is tensorwise; DeepSeek-V3 scales 1x128 tiles of
-activations and 128x128 blocks of weights).
+gives each row of ``a`` (and each column of ``b``) its own scale, so an outlier coarsens only its
+own row (torchao's float8 "rowwise" recipe; its default is tensorwise; DeepSeek-V3 scales 1x128
+tiles of activations and 128x128 blocks of weights).
 
 Where ``torch._scaled_mm`` is missing or refuses (some CPU builds without AVX-512 kernels),
 ``fp8_matmul`` computes the same product from the dequantised fp8 values (x8 * s, in fp32) and says
@@ -50,7 +50,8 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, scaled: bool = True,
     ``rowwise`` one per row of a and one per column of b."""
     global last_kernel
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
-        raise ValueError(f"fp8_matmul multiplies (m, k) by (k, n); got {tuple(a.shape)} and {tuple(b.shape)}")
+        raise ValueError(f"fp8_matmul multiplies (m, k) by (k, n); got {tuple(a.shape)} and "
+                         f"{tuple(b.shape)}")
     for name, size in (("m (rows of a)", a.shape[0]), ("k (columns of a, rows of b)", a.shape[1]),
                        ("n (columns of b)", b.shape[1])):
         if size % 16:

@@ -1,12 +1,13 @@
-"""Lower precision: what fp16 loses, what a gradient scaler gives back, and the bytes each recipe holds.
+"""Lower precision: what fp16 loses, what a gradient scaler gives back, and the bytes each recipe
+holds.
 
 **fp16** has 5 exponent bits: the smallest positive value is about 6e-8, so gradients smaller than
 that become exactly 0 (they *underflow*). ``torch.amp.GradScaler`` multiplies the loss by a scale S
 (2^16 at first) before backward, so every gradient is S times larger and representable, then divides
-the gradients by S before the optimizer step. If any gradient overflowed (inf or nan), it *skips* the
-step and halves S; after ``growth_interval`` clean steps it doubles S. **bf16** has fp32's 8 exponent
-bits (down to 1e-38): its gradients do not underflow, so it needs no scaler, only its 8-bit mantissa's
-rounding is a cost.
+the gradients by S before the optimizer step. If any gradient overflowed (inf or nan), it *skips*
+the step and halves S; after ``growth_interval`` clean steps it doubles S. **bf16** has fp32's 8
+exponent bits (down to 1e-38): its gradients do not underflow, so it needs no scaler, only its 8-bit
+mantissa's rounding is a cost.
 
 **Mixed precision with fp32 master weights** (``MixedPrecisionAdamW``): the model computes in bf16
 (2 bytes per parameter, 2 for its gradient), the optimizer keeps fp32 master weights (4) and AdamW's
@@ -51,7 +52,8 @@ def train_with_scaler(model: nn.Module, batches, loss_fn, lr: float = 0.1, dtype
                       init_scale: float = 2.0 ** 16) -> ScalerRun:
     """SGD under fp16 autocast with a GradScaler; ``inf_at`` plants an inf in those steps' loss."""
     if dtype == torch.bfloat16:
-        raise ValueError("bf16 needs no GradScaler: it has fp32's exponent range (down to about 1e-38), "
+        raise ValueError("bf16 needs no GradScaler: it has fp32's exponent range (down to about "
+                         "1e-38), "
                          "so its gradients do not underflow; train bf16 without a scaler, or use "
                          "dtype=torch.float16 with one")
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)

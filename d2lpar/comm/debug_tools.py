@@ -2,7 +2,7 @@
 ``py-spy dump`` of a rank while it waits, and torchrun's ``@record`` error file.
 
 * ``profile_ddp_step``: ``torch.profiler`` around two DDP steps on each rank, one bucket per layer
-  and each layer's backward compute a calibrated wait (a stand-in for a GPU's kernels, which survives
+  and each layer's backward compute a 20 ms sleep (a stand-in for a GPU's kernels, which survives
   a busy machine better than real CPU work); returns the spans of the backward compute, the products
   and the collectives gloo ran (``gloo:all_reduce``), and the order in which backward's layers and
   the buckets' all-reduce launches happened.
@@ -33,7 +33,7 @@ __all__ = ["profile_ddp_step", "detail_mismatch", "py_spy_of_a_waiting_rank", "r
 
 
 class _ComputeStandIn(torch.autograd.Function):
-    """Identity forward; in backward, a calibrated wait standing in for a layer's device compute."""
+    """Identity forward; in backward, a sleep standing in for a layer's device compute."""
 
     @staticmethod
     def forward(ctx, x, seconds, layer, log):
@@ -66,7 +66,7 @@ class _Layers(nn.Module):
 def profile_ddp_step(steps: int = 2, compute_s: float = 0.02, layers: int = 4,
                      width: int = 1024) -> dict:
     """Two DDP steps under ``torch.profiler``, one bucket per layer (``bucket_cap_mb`` below one
-    layer's weight), each layer's backward compute a calibrated wait of ``compute_s``.
+    layer's weight), each layer's backward compute a sleep of ``compute_s``.
 
     Returns ``spans`` (lane, name, start, end) of the backward compute, the products and gloo's
     collectives, and ``order``: this rank's events of the last step in the order they happened,

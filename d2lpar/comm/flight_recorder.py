@@ -2,8 +2,11 @@
 
 Every process group records its last N collectives (operation, sequence number, tensor sizes and
 dtypes, state, Python stack) in a ring buffer; N is ``TORCH_FR_BUFFER_SIZE``, read once per process,
-2000 by default in torch 2.14 (``FlightRecorder.hpp``), 0 turns the recorder off; ``torch._C._distributed_c10d._dump_fr_trace()`` returns it, and NCCL jobs dump it on a
-watchdog timeout by themselves (``TORCH_NCCL_DUMP_ON_TIMEOUT``). With one dump per rank, a hang or a
+2000 by default in torch 2.14 (``FlightRecorder.hpp``), 0 turns the recorder off. There is one
+buffer per event type: ``torch._C._distributed_c10d._dump_fr_trace()`` returns the generic one, into
+which gloo records; NCCL's groups record into their own (``_dump_nccl_trace()``), which NCCL jobs
+dump on a watchdog timeout (``TORCH_NCCL_DUMP_ON_TIMEOUT``). ``dump`` reads the generic one only.
+With one dump per rank, a hang or a
 mismatch is found by lining the ranks' collectives up by sequence number: the first number where
 the ranks' operations, sizes or dtypes differ, or where a rank has no entry (it never got there), is
 where the program went wrong, and the rank whose record differs from the majority's is the culprit
@@ -33,7 +36,8 @@ class FlightRecorderError(ValueError):
 
 
 def dump(folder: str | Path, run: str) -> Path:
-    """In a rank: write its flight-recorder buffer under ``folder``; return the JSON's path."""
+    """In a rank: write its generic (gloo's) flight-recorder buffer under ``folder``; return the
+    JSON's path."""
     import torch
     import torch.distributed as dist
     folder = Path(folder)

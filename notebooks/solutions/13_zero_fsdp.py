@@ -6,6 +6,7 @@ the course's launcher (gloo on the CPU; NCCL with a GPU each), as in the noteboo
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -130,7 +131,8 @@ def _fsdp_memory(width, layers):
     from torch.distributed.fsdp import fully_shard
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     cuda = "nccl" in dist.get_backend_config()  # the launcher's GPU group: "cpu:gloo,cuda:nccl"
-    device = torch.device("cuda", dist.get_rank()) if cuda else torch.device("cpu")
+    local = int(os.environ["LOCAL_RANK"])  # this node's GPU for this process, not the global rank
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # the ranks' device

@@ -76,3 +76,19 @@ def test_command_line_error_is_one_line():
     job = run([PY, SCRIPT, "--world-size", "2"], timeout=TIMEOUT, check=False)
     assert job.returncode == 1
     assert job.lines[-1].startswith("train_ddp.py: error: this job was planned for world size 2")
+
+
+def test_the_device_follows_the_gpus_each_process_sees(monkeypatch):
+    """No GPU needed: one visible GPU is this process's (srun --gpus-per-task=1, torchrun
+    --virtual-local-rank); several give cuda:LOCAL_RANK; too few is one sentence, never the CPU."""
+    from d2lpar.processes.env import DistEnv
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    who = DistEnv(rank=5, world_size=16, local_rank=5, local_world_size=8)
+    for visible, expected in [(1, torch.device("cuda", 0)), (8, torch.device("cuda", 5))]:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda v=visible: v)
+        assert train_ddp.choose_device(who) == (expected, "nccl")
+    assert train_ddp.choose_device(who, cpu=True) == (torch.device("cpu"), "gloo")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(EnvError, match="sees 2 GPUs but 8 processes run on this node: .*--cpu"):
+        train_ddp.choose_device(who)

@@ -89,12 +89,26 @@ def argument_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+class DeviceMismatch(env.EnvError):
+    """The GPUs this process sees do not give every process on the node a GPU of its own."""
+
+
 def choose_device(who: env.DistEnv, cpu: bool = False) -> tuple[torch.device, str]:
-    """One GPU per process with NCCL when every local rank can have its own GPU; else CPU and gloo."""
-    if not cpu and torch.cuda.is_available() and torch.cuda.device_count() >= who.local_world_size:
-        torch.cuda.set_device(who.local_rank)
-        return torch.device("cuda", who.local_rank), "nccl"
-    return torch.device("cpu"), "gloo"
+    """One GPU per process with NCCL, else CPU and gloo. A process that sees exactly one GPU (srun
+    --gpus-per-task=1, torchrun --virtual-local-rank) takes it as cuda:0; one that sees several
+    takes cuda:LOCAL_RANK when there is one per local process; some, but fewer, is refused with
+    one sentence rather than quietly training on the CPU."""
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cpu or visible == 0:
+        return torch.device("cpu"), "gloo"
+    index = 0 if visible == 1 else who.local_rank
+    if visible > 1 and visible < who.local_world_size:
+        raise DeviceMismatch(
+            f"this process sees {visible} GPUs but {who.local_world_size} processes run on this "
+            f"node: bind one GPU per process (srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES), "
+            f"start at most {visible} per node, or pass --cpu")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index), "nccl"
 
 
 def log(who: env.DistEnv, *message) -> None:

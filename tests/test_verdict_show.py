@@ -14,6 +14,7 @@ def test_overlap_verdict_reads_the_ratio():
     assert overlap_verdict(0.105, 0.08, 0.10).endswith("the compute hid behind the transfer")
     assert hidden_fraction(0.10, 0.10, 0.08) == pytest.approx(1.0)
     assert overlap_verdict(0.07, 0.10, 0.08).startswith("below the limit (0.70x")
+    assert "longer than one after the other" in overlap_verdict(0.30, 0.10, 0.08)
     assert max(len(line) for t in (0.1, 0.14, 0.18)
                for line in overlap_verdict(t, 0.1, 0.08, "all-reduce", "backward").splitlines()) < 100
 

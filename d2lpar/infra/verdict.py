@@ -53,6 +53,9 @@ def overlap_verdict(overlapped: float, a: float, b: float, what: str = "transfer
     if hidden >= 1 - close:
         short, long = (what, behind) if b <= a else (behind, what)
         return f"overlapped {figures}: the {short} hid behind the {long}"
+    if hidden < -close:  # longer than the two one after the other: they got in each other's way
+        return (f"no overlap in this run {figures}: longer than one after the other, the two "
+                f"slowed each other" + busy_clause())
     if hidden <= close:
         return f"no overlap in this run {figures}: as long as one after the other" + busy_clause()
     return f"partly overlapped {figures}: {hidden:.0%} of the shorter one hid" + busy_clause()

@@ -2,7 +2,7 @@
 
 Memory per GPU is ``d2lpar.strategies.sharded.zero.model_state_bytes`` (mixed precision, as in the ZeRO
 paper: p = 2 bytes of fp16 parameters, g = 2 of fp16 gradients, k = 12 of fp32 master weights,
-momentum and variance); activations come on top and are left out here, as in the paper's table.
+momentum and variance); activations come on top and are left out here, as in the paper's Figure 1.
 
 Time per step = compute + communication (no overlap: the upper bound). Compute is about 6 Psi FLOPs
 per token (2 forward, 4 backward); communication is in half-rings: a reduce-scatter or an all-gather
@@ -28,7 +28,7 @@ MIXED = dict(param_bytes=2, grad_bytes=2, optimizer_bytes=12)
 
 
 def paper_table(psi: float = 7.5e9, n: int = 64) -> list[tuple[str, float]]:
-    """The ZeRO paper's example: GB of model states per GPU for ``psi`` parameters on n GPUs."""
+    """The ZeRO paper's Figure 1 example: GB of model states per GPU for ``psi`` parameters on n GPUs."""
     return [(NAMES[s], sum(model_state_bytes(s, psi, n, **MIXED).values()) / 1e9) for s in NAMES]
 
 

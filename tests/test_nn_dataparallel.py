@@ -138,3 +138,12 @@ def test_balanced_scatter_is_the_classs_own():
         inputs, kwargs = wrapped.scatter((torch.rand(12, 3), 7), {"a": 1}, [0, 1, 2])
     assert [len(a[0]) for a in inputs] == [2, 5, 5] and [a[1] for a in inputs] == [7] * 3
     assert kwargs == [{"a": 1}] * 3
+
+
+def test_balanced_scatter_batch_smaller_than_devices():
+    from unittest import mock
+    from torch.nn.parallel._functions import Scatter
+    wrapped = ndp.BalancedDataParallel(2, lenet(seed=0), dim=0)
+    with mock.patch.object(Scatter, "apply", lambda ids, sizes, dim, x: x.split(list(sizes), dim)):
+        inputs, kwargs = wrapped.scatter((torch.rand(2, 3),), {}, [0, 1, 2])
+    assert [len(a[0]) for a in inputs] == [1, 1] and len(kwargs) == 2

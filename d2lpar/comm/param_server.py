@@ -26,9 +26,10 @@ __all__ = ["ParameterServer", "ps_all_reduce", "ps_bytes", "ps_server_formula"]
 class ParameterServer:
     """A synchronous key-value store over point-to-point messages.
 
-    Ranks 0 .. servers-1 are servers (and also workers); every rank calls ``push`` and ``pull`` with the same keys. Keys are placed
-    on servers greedily by size, the same on every rank. ``push`` sends each value to its key's
-    server, which keeps the sum; ``pull`` copies the sums back into every rank's tensors.
+    Ranks 0 .. servers-1 are servers (and also workers); every rank calls ``push`` and ``pull``
+    with the same keys. Keys are placed on servers greedily by size, the same on every rank.
+    ``push`` sends each value to its key's server, which keeps the sum; ``pull`` copies the sums
+    back into every rank's tensors.
     """
 
     def __init__(self, servers: int = 1, counter: ByteCounter | None = None):

@@ -22,10 +22,10 @@ from d2lpar.strategies.data.nn_dataparallel import (SimulatedDataParallel, best_
                                                memory_per_device, phases_per_step)
 
 torch.set_num_threads(1)
-MB = 2**20
+MiB = 2**20
 # The ResNet-50 of section 4 (224 x 224 images): measured there, rounded here so that no solution
 # has to build it again.
-RESNET50 = {"P": int(97.5 * MB), "a": int(82.3 * MB), "o": 4000}
+RESNET50 = {"P": int(97.5 * MiB), "a": int(82.3 * MiB), "o": 4000}
 
 
 def exercise_1():
@@ -40,7 +40,7 @@ def exercise_1():
     lm = dict(RESNET50, o=50257 * 1024 * 4)
     g = best_gpu0_bsz(B, k, **lm, optimizer_slots=0)
     rows = memory_per_device(balanced_sizes(B, k, g), **lm, optimizer_slots=0)
-    print(f"outputs of {lm['o'] / MB:.0f} MB per example: best gpu0_bsz = {g}; device 0 then holds "
+    print(f"outputs of {lm['o'] / MiB:.0f} MiB per example: best gpu0_bsz = {g}; device 0 then holds "
           f"{rows[0]['outputs'] / 2**30:.1f} GB of gathered outputs, device 1 {rows[1]['outputs'] / 2**30:.1f} GB")
     check("large outputs: device 0 gets a single example and is still the largest", g == 1
           and rows[0]["total"] == max(r["total"] for r in rows))
@@ -64,7 +64,7 @@ def exercise_2():
     first = P * (2 + s) + (a + o) * b
     last = 2 * P + (a + o) * b + 2 * o * B
     print("mem_0 = P(2 + s) + (a + o) b_0;  mem_last = 2P + (a + o) b_last + 2oB;  others 2P + (a + o) b_i")
-    print(f"ResNet-50, 16 examples each: device 0 {first / MB:.0f} MB, the last device {last / MB:.0f} MB")
+    print(f"ResNet-50, 16 examples each: device 0 {first / MiB:.0f} MiB, the last device {last / MiB:.0f} MiB")
     check("with s >= 1 and small outputs device 0 is still the largest", first > last)
 
 

@@ -166,10 +166,12 @@ class BalancedDataParallel(nn.DataParallel):
     def scatter(self, inputs, kwargs, device_ids):
         """Cut the positional tensors with ``balanced_sizes``; unlike torch's ``scatter_kwargs``
         it does not split tensors inside lists, dicts or keyword arguments (each device gets
-        those whole)."""
+        those whole). A batch smaller than the device count goes to its first ``batch`` devices,
+        one example each; torch's ``forward`` then replicates to ``device_ids[:len(inputs)]``."""
         from torch.nn.parallel._functions import Scatter
         batch = next(x for x in inputs if isinstance(x, torch.Tensor)).size(self.dim)
-        gpu0 = min(self.gpu0_bsz, batch - len(device_ids) + 1)  # a short last batch still splits
+        device_ids = list(device_ids)[:batch]  # fewer examples than devices: the first `batch`
+        gpu0 = min(self.gpu0_bsz, batch - len(device_ids) + 1)  # a short batch: device 0 gives way
         sizes = balanced_sizes(batch, len(device_ids), gpu0)
         chunks = [Scatter.apply(device_ids, sizes, self.dim, x) if isinstance(x, torch.Tensor)
                   else [x] * len(device_ids) for x in inputs]

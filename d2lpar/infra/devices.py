@@ -134,7 +134,8 @@ def describe(devices: list[torch.device]) -> str:
 
 
 def add_device_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--devices 0,3`` and ``--cpu`` to a script's argument parser (the source notes' template)."""
+    """Add ``--devices 0,3`` and ``--cpu`` to a script's argument parser (the source notes'
+    template)."""
     group = parser.add_argument_group("devices")
     group.add_argument("--devices", default=None, metavar="IDS",
                        help="comma-separated GPU indices to use, e.g. 0,3 (default: every GPU)")

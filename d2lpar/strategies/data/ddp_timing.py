@@ -1,4 +1,4 @@
-"""Measuring DDP: how much of the all-reduce hides behind backward, and d2lpar's DDP against torch's.
+"""Measuring DDP: how much of the all-reduce hides behind backward; d2lpar's DDP against torch's.
 
 Three workers, each run on every rank by ``d2lpar.processes.launch`` (the bench and notebook 09 call
 the same ones, so they print the same kind of figures):
@@ -16,11 +16,13 @@ the same ones, so they print the same kind of figures):
   layers' device times add up to ``compute_over_comm`` times the transfer time calibrated just
   before (the same ``bucket_transfer``), and the CPU stays free for gloo meanwhile, as it would with
   a GPU computing; gradients and messages stay real. The default, ``COMPUTE_OVER_COMM = 3``, is a
-  backward well above its communication; near 1.5 two ranks on 2 cores run out of CPU for their
-  real gradients and gloo's threads together (notebook 09 shows both).
+  backward well above its communication. ``comm_s`` given: the device time is scaled from it
+  instead of a fresh calibration (a busy moment during the calibration would inflate the device
+  time; notebook 09 passes the transfer an earlier run measured). The result holds ``comm_s`` and
+  the table's compute and transfer rows, so a caller can print the compute/transfer ratio reached.
 * ``versus_torch_worker``: step times (forward + backward + all-reduce) of d2lpar's DDP and
-  ``torch.nn.parallel.DistributedDataParallel`` on the same model, data and bucket cap, real compute,
-  in interleaved rounds, best of each; checks that both give the same gradients.
+  ``torch.nn.parallel.DistributedDataParallel`` on the same model, data and bucket cap, real
+  compute, in interleaved rounds, best of each; checks that both give the same gradients.
 * ``sweep_worker``: the device-time backward + all-reduce for several bucket caps, backward alone,
   and ``bucket_transfer`` of one bucket of several sizes, to fit ``T(K) = a + K b`` for the cost
   model in ``d2lpar.cost.buckets``. T(K) is measured the way DDP spends it (copies in and out
@@ -92,14 +94,15 @@ def _time_transfer(buckets, flats, rounds: int = 15) -> float:
 
 def overlap_worker(cap_mb: float = 1.0, width: int = 512, depth: int = 8, batch: int = 8,
                    compute_over_comm: float = COMPUTE_OVER_COMM, device_time: bool = True,
-                   repeats: int = 5) -> dict:
+                   repeats: int = 5, comm_s: float | None = None) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, x, y = model_and_data(width, depth, batch)
     ddp = DDP(model, cap_mb)
     flats = [torch.zeros(sum(p.numel() for p in b)) for b in ddp.buckets]
     with ddp.no_sync():  # gradients to copy: the transfer is timed on them
         nn.functional.cross_entropy(ddp(x), y).backward()
-    comm_s = _time_transfer(ddp.buckets, flats)
+    if comm_s is None:  # calibrate now; given, the device time is scaled from it instead
+        comm_s = _time_transfer(ddp.buckets, flats)
     shares = set_backward_time(model, compute_over_comm * comm_s if device_time else 0.0)
     lane_c, lane_n = f"rank {rank} compute", f"rank {rank} comm"
     saved: dict = {}
@@ -145,7 +148,8 @@ def overlap_worker(cap_mb: float = 1.0, width: int = 512, depth: int = 8, batch:
                      checked=("sequential", "overlapped"))
     record(model, None)
     ddp.timeline = None
-    return {"result": result, "comm_s": comm_s, "layer_s": shares, "bucket_bytes": ddp.bucket_bytes(),
+    return {"result": result, "comm_s": comm_s, "layer_s": shares,
+            "bucket_bytes": ddp.bucket_bytes(),
             "step_cpu": min(cpu),  # the fastest overlapped step: its wall time and its CPU time
             "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
 

@@ -1,10 +1,10 @@
 """Data: splitting a batch over devices, and data sets that need no download.
 
-``split_sizes(b, n)`` cuts a batch of b examples into n parts whose sizes differ by at most one (the
-first ``b % n`` parts get the extra example). ``split_sizes(b, weights=...)`` cuts it in proportion to
-the weights instead (a faster GPU gets more), rounding by largest remainder so the sizes still add up
-to b. ``split_batch`` moves each part to its device; unlike d2l's it works on CPU devices, real or
-simulated, and accepts batches that do not divide evenly.
+``split_sizes(b, n)`` cuts a batch of b examples into n parts whose sizes differ by at most one
+(the first ``b % n`` parts get the extra example). ``split_sizes(b, weights=...)`` cuts it in
+proportion to the weights instead (a faster GPU gets more), rounding by largest remainder so the
+sizes still add up to b. ``split_batch`` moves each part to its device; unlike d2l's it works on
+CPU devices, real or simulated, and accepts batches that do not divide evenly.
 
 ``load_digits`` reads real handwritten digits that ship inside the package; ``fashion_mnist`` reads
 Fashion-MNIST through torchvision from files already on disk, and never downloads.
@@ -17,7 +17,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["even_sizes", "chunk_bounds", "split_sizes", "split_batch", "load_digits", "fashion_mnist", "load_data"]
+__all__ = ["even_sizes", "chunk_bounds", "split_sizes", "split_batch", "load_digits",
+           "fashion_mnist", "load_data"]
 
 
 def even_sizes(total: int, n: int) -> list[int]:

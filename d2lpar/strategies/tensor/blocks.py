@@ -185,13 +185,16 @@ def sync_sequence_parallel_grads(module: nn.Module, group=None) -> int:
 
 
 def gather_full(module: nn.Module, grads: bool = False, group=None) -> dict[str, torch.Tensor]:
-    """The single-device state dict (or gradients) rebuilt from every rank's parts (a collective)."""
+    """The single-device state dict (or gradients) rebuilt from every rank's parts.
+
+    A collective: every rank of ``group`` must call it."""
     _, size = tp_world(group)
     out = {}
     for name, p in module.named_parameters():
         t = p.grad if grads else p.detach()
         if t is None:
-            raise ValueError(f"{name} has no gradient: run backward() before gather_full(grads=True)")
+            raise ValueError(f"{name} has no gradient: run backward() before "
+                             "gather_full(grads=True)")
         dim = getattr(p, "tp_dim", None)
         if dim is not None and size > 1:
             parts = [torch.empty_like(t) for _ in range(size)]

@@ -69,3 +69,16 @@ def test_megatron_recompute_reruns_fc2_and_the_two_all_reduces():
     assert abs(q.time["compute"] - p.time["compute"] - fc2) < 1e-9
     sel = PL.evaluate(model, cluster, PL.Layout(16, 8, 8, zero=0, micro=96, checkpoint="selective"))
     assert PL.megatron_recompute(sel, model, cluster) is sel
+
+
+def test_megatron_recompute_hides_the_data_term_behind_the_longer_backward():
+    model = PL.MODELS["gpt3-175b"]
+    import dataclasses
+    cluster = dataclasses.replace(PL.CLUSTERS["1024 A100-80GB"], gpus=1536)
+    lay = PL.Layout(1536, 1, 1, zero=3, micro=1, checkpoint="full")
+    p = PL.evaluate(model, cluster, lay)
+    q = PL.megatron_recompute(p, model, cluster)
+    assert p.time["data"] > 0                  # exposed before, so the fix can be seen
+    exposed = PL.step_time(model, cluster, lay, dp_overlap=False)["data"]
+    assert abs(q.time["data"] - max(0.0, exposed - q.time["compute"] * 2 / 3)) < 1e-9
+    assert q.time["data"] < p.time["data"]

@@ -60,7 +60,7 @@ def summed_not_averaged(module, group):
     return flat.numel() * flat.element_size()
 
 
-def test_a_forgotten_dp_average_fails_the_gradient_check_but_not_adamws_weights():
+def test_a_forgotten_dp_average_fails_the_gradient_check_by_two_and_barely_moves_weights():
     import cloudpickle
     cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the ranks get the bug by value
     B = batches(CORPUS.ids, 8, 16, 2)
@@ -73,7 +73,9 @@ def test_a_forgotten_dp_average_fails_the_gradient_check_but_not_adamws_weights(
         _grads_equal(r.grads, grads)
     torch.testing.assert_close(r.grads["1.mlp.fc1.weight"], 2 * grads["1.mlp.fc1.weight"],
                                rtol=1e-4, atol=1e-6)
-    for k, v in one.state_dict().items():   # AdamW hides the factor 2: the weights still agree
+    # AdamW hides most of the factor 2: on this model and these steps the weights still pass a
+    # loose check (fragile: notebook 17's model fails its own at the same tolerance)
+    for k, v in one.state_dict().items():
         torch.testing.assert_close(r.state[k], v, rtol=1e-3, atol=2e-4, msg=k)
 
 

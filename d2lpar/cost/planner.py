@@ -286,8 +286,9 @@ def repriced(p: Plan, model: Model, cluster: Cluster, sp: bool | None = False) -
 def megatron_recompute(p: Plan, model: Model, cluster: Cluster) -> Plan:
     """``p`` with full checkpointing priced as Megatron-LM reruns it: each layer's whole forward again
     (``recompute_flops`` follows torch, which skips each segment's last product, fc2) with its two
-    tensor-parallel all-reduces (6 per layer and micro-batch, not 4). Other plans are returned as
-    they are."""
+    tensor-parallel all-reduces (6 per layer and micro-batch, not 4), the data-parallel reduction
+    hidden behind the longer backward as ``step_time`` hides it. Other plans are returned as they
+    are."""
     lay = p.layout
     if lay.checkpoint != "full":
         return p
@@ -299,6 +300,9 @@ def megatron_recompute(p: Plan, model: Model, cluster: Cluster) -> Plan:
     t["compute"] += lay.micro * layers * fc2 / lay.tp / rate
     t["bubble"] = megatron_ratio(lay.pp, lay.micro) * t["compute"]
     t["tensor"] *= 6 / 4
+    if t["data"] > 0:   # the longer backward hides more of the reduction, as in step_time
+        exposed = step_time(model, cluster, lay, dp_overlap=False)["data"]
+        t["data"] = max(0.0, exposed - t["compute"] * 2 / 3)
     return Plan(lay, dict(p.memory), t, p.fits)
 
 

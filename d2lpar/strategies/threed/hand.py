@@ -14,8 +14,9 @@ groups, the lines of the grid through it. One training step, on every rank:
    all-reduce (notebook 05's rule: average, then step), and each rank steps AdamW on what it holds.
 
 The first step's gradients, averaged and before the optimizer, come back whole (``grads``): AdamW's
-update m / (sqrt(v) + eps) does not change when every gradient is scaled by the same factor, so
-equal weights after AdamW steps cannot tell a mean from a sum; equal gradients can.
+update m / (sqrt(v) + eps) barely changes when every gradient is scaled by the same factor, so
+a weights check after AdamW steps is fragile against a sum in place of a mean (it catches it only
+at a tight enough tolerance); a gradient check catches it by a factor of two.
 
 Each rank holds 1/(tp pp) of the model's transformer weights; every message is real. With
 ``rate``, each layer also waits its FLOPs / rate in forward and twice that in backward

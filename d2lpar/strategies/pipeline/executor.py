@@ -52,11 +52,14 @@ __all__ = ["split_model", "split_balanced", "check_stages", "run_schedule", "run
 
 
 def split_model(model: nn.Sequential, stages: int) -> list[nn.Sequential]:
-    """Cut a Sequential into ``stages`` consecutive parts of near-equal layer counts (sharing parameters)."""
+    """Cut a Sequential into ``stages`` consecutive parts of near-equal layer counts.
+
+    The parts share the model's parameters (no copies)."""
     if not isinstance(model, (nn.Sequential, nn.ModuleList, list, tuple)):
         raise TypeError(f"split_model cuts a sequence of layers (nn.Sequential, nn.ModuleList or a "
-                        f"list), not a {type(model).__name__}: write the model as nn.Sequential(...) "
-                        f"of its layers, or cut it yourself into a list of stages")
+                        f"list), not a {type(model).__name__}: write the model as "
+                        f"nn.Sequential(...) of its layers, or cut it yourself into a list of "
+                        f"stages")
     layers = list(model)
     return [nn.Sequential(*layers[a:b]) for a, b in split_layers(len(layers), stages)]
 

@@ -30,7 +30,8 @@ def saved_activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
 
     A tensor saved by two operations counts once; a slice counts its own elements.
     """
-    return saved_bytes(lambda: model(x).sum(), model)   # sum saves nothing: its backward needs a shape
+    # sum saves nothing: its backward needs only a shape
+    return saved_bytes(lambda: model(x).sum(), model)
 
 
 class _Held:

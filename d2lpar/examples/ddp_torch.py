@@ -28,10 +28,10 @@ says which.
 The path: environment -> set_device -> init_process_group -> one GPU each -> DDP ->
 DistributedSampler with set_epoch -> rank 0 saves model.module -> barrier -> destroy_process_group.
 ``--batch-size`` is the global batch: W ranks take B/W each, DDP averages their gradients, so W
-ranks end with one process's weights (to rounding). Every rank resumes from the last epoch's
-checkpoint (``--max-restarts``). A sentence raised after init (a shared GPU, different epochs) is a
-failed worker to torchrun: with --max-restarts=3 it restarts the group 3 times and the same
-sentence comes back each time.
+ranks end with one process's weights (to rounding) when every batch is full and the sampler pads
+nothing. Every rank resumes from the last epoch's checkpoint (``--max-restarts``). Any sentence this
+script stops with (a bad option, a shared GPU, different epochs) is a failed worker to torchrun:
+with --max-restarts=3 it restarts the group 3 times and the same sentence comes back each time.
 """
 
 import argparse
@@ -190,7 +190,7 @@ def train(args, rank: int, world: int, device: torch.device) -> None:
         optimizer.load_state_dict(state["optimizer"])
         start = state["epoch"] + 1
         if rank == 0:
-                print(f"rank 0: resumed after epoch {start} from {path}", flush=True)
+            print(f"rank 0: resumed after epoch {start} from {path}", flush=True)
     if world > 1:  # every rank must resume from the same epoch, or they deadlock later
         first_last = torch.tensor([start, -start], device=device)
         dist.all_reduce(first_last, op=dist.ReduceOp.MAX)  # the latest and (minus) the earliest

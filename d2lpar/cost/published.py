@@ -46,8 +46,8 @@ def table_2_layouts(model: P.Model, gpus: int, tp: int = 8, pp: int = 12) -> dic
     """The two schemes of Table 2 on ``gpus`` GPUs as the planner's layouts, both fully checkpointed
     (the recomputation eq. 3 counts): ZeRO-3 over every GPU without model parallelism, one
     micro-batch per step (so its traffic is paid once per step, as the planner prices it); PTD-P
-    with tp x pp = Table 2's model-parallel size of 96 and one sequence per micro-batch (tp 8 x
-    pp 12 and the micro-batch size are the course's choice: the table gives only the product)."""
+    with tp x pp = Table 2's model-parallel size of 96 (tp 8 x pp 12: the table gives only the
+    product) and one sequence per micro-batch."""
     dp = gpus // (tp * pp)
     return {"ZeRO-3": P.Layout(gpus, 1, 1, zero=3, micro=1, checkpoint="full"),
             "PTD-P": P.Layout(dp, tp, pp, zero=0, micro=model.batch // dp, checkpoint="full")}

@@ -112,7 +112,8 @@ def test_an_autograd_ring_keeps_every_key_value_block_it_received():
 def test_the_overlap_timeline_draws_each_transfer_from_post_to_wait():
     from d2lpar.strategies.context.timing import ring_overlap
     t = launch(ring_overlap, 4, 1, 4, 4, 64, 0.002, 2, timeout=60)[0]
-    spans = t["spans"]
+    spans = [sp for sp in t["spans"] if sp[0].startswith("rank 0")]
+    assert {sp[0].split()[1] for sp in t["spans"]} == {"0", "1", "2", "3"}   # every rank drawn
     blocks = [(s, e) for lane, label, s, e in spans if label == "block compute"]
     inflight = [(s, e) for lane, label, s, e in spans if label.startswith("transfer: post")]
     alone = [(s, e) for lane, label, s, e in spans if label.startswith("one transfer alone")]
@@ -120,6 +121,8 @@ def test_the_overlap_timeline_draws_each_transfer_from_post_to_wait():
     for (bs, be), (s, e), (a_s, a_e) in zip(blocks, inflight, alone):
         assert s <= bs and e >= be   # posted before the block, waited for after it
         assert a_s == s and a_e - a_s == pytest.approx(t["transfer"] / 3)
+    ends = [r["end"] - r["start"] for r in t["per_rank"]]
+    assert t["overlapped"] == pytest.approx(max(ends))   # the drawn run is the one timed
 
 
 def test_the_overlap_check_fails_when_nothing_hid_on_a_quiet_machine(monkeypatch):

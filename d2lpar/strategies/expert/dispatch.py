@@ -46,9 +46,11 @@ def _a2a(x, send, recv, counter):
     dist.all_to_all_single(out, x.contiguous(), recv, send)
     if counter is not None:
         me = dist.get_rank()
-        row = x[0].numel() * x.element_size() if len(x) else 0
+        row = x.shape[1:].numel() * x.element_size()   # bytes per token row, even if x is empty
         away = sum(n for p, n in enumerate(send) if p != me)   # rows for other ranks
         counter["sent"] = counter.get("sent", 0) + away * row
+        got = sum(n for p, n in enumerate(recv) if p != me)   # rows other ranks sent here
+        counter["received"] = counter.get("received", 0) + got * row
     return out
 
 

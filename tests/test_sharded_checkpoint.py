@@ -89,3 +89,14 @@ def test_a_damaged_checkpoint_names_its_folder_and_file():
             shard.write_bytes(shard.read_bytes()[:-100])
         with pytest.raises(SC.CheckpointDamaged, match=f"the checkpoint {path} is {expected}"):
             SC.load({"model": _net(1).state_dict()}, path, no_dist=True)
+
+
+def test_keys_only_in_the_checkpoint_are_listed_under_the_keys_asked_for():
+    path = build_dir("test_sharded_checkpoint") / "with_extra"
+    shutil.rmtree(path, ignore_errors=True)
+    SC.save({"model": _net(0).state_dict(), "extra": {"a": torch.zeros(2)}}, path)
+    torch.manual_seed(0)
+    short = nn.Sequential(nn.Linear(5, 8))
+    problems = SC.mismatches({"model": short.state_dict()}, path)
+    assert "only in the checkpoint: model.2.bias, model.2.weight" in problems
+    assert not any("extra.a" in p for p in problems)  # not asked for: not listed

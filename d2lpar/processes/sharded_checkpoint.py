@@ -87,7 +87,11 @@ def check_files(path: str | Path) -> None:
 
 
 def mismatches(state_dict: dict, path: str | Path) -> list[str]:
-    """What stops ``state_dict`` from being loaded from ``path``, one line per problem ([] if none)."""
+    """What stops ``state_dict`` from being loaded from ``path``, one line per problem ([] if none).
+
+    Keys only in the checkpoint are listed under the top-level keys of ``state_dict`` only (asking
+    for ``{"model": ...}`` does not list the checkpoint's ``optim`` entries).
+    """
     saved = describe(path)
     wanted = {k: (tuple(v.shape) if isinstance(v, torch.Tensor) else None)
               for k, v in flatten(state_dict).items()}
@@ -95,7 +99,8 @@ def mismatches(state_dict: dict, path: str | Path) -> list[str]:
     problems += [f"shape of {k}: checkpoint {saved[k]}, here {wanted[k]}" for k in wanted
                  if k in saved and wanted[k] is not None and saved[k] != wanted[k]]
     if problems:
-        extra = sorted(set(saved) - set(wanted))
+        asked = {k.split(".")[0] for k in wanted}  # only under the top-level keys asked for
+        extra = sorted(k for k in set(saved) - set(wanted) if k.split(".")[0] in asked)
         if extra:
             problems.append(f"only in the checkpoint: {', '.join(extra[:8])}"
                             + (f" and {len(extra) - 8} more" if len(extra) > 8 else ""))

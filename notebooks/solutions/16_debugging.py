@@ -10,7 +10,7 @@ from torch.utils.data import DistributedSampler
 from d2lpar.comm import faults
 from d2lpar.comm import flight_recorder as FR
 from d2lpar.infra.paths import build_dir
-from d2lpar.processes.launch import launch
+from d2lpar.processes.launch import RankFailed, launch
 
 
 def _float64_on_one_rank():
@@ -28,12 +28,18 @@ def _float64_on_one_rank():
 
 
 def exercise_1():
-    """float32 against float64: 16 bytes against 32. Sizes differ, so gloo aborts or errors; DETAIL
-    names the dtypes before any byte is sent."""
+    """float32 against float64: 16 bytes against 32. The sizes differ, so this is gloo's second
+    behaviour: the float32 rank receives more bytes than it expects, gloo's enforce in its TCP
+    transport fails ("Received data size doesn't match expected size") and aborts that process
+    (SIGABRT). DETAIL names the dtypes before any byte is sent."""
     try:
-        plain = launch(_float64_on_one_rank, 2, init_process_group=False, timeout=20, quiet=True)
-    except Exception as e:   # gloo aborted a rank
-        plain = f"{type(e).__name__}: {str(e).splitlines()[2]}"
+        launch(_float64_on_one_rank, 2, init_process_group=False, timeout=20, quiet=True)
+        raise AssertionError("plain gloo added float32 to float64 without a word")
+    except RankFailed as e:
+        text = str(e)
+        said = [line.strip() for line in text.splitlines() if "Received data size" in line]
+        assert said and "SIGABRT" in text, text  # gloo's enforce, then the abort
+        plain = f"{text.splitlines()[0]} {said[0][said[0].find('op.preamble'):]}"
     detail = launch(_float64_on_one_rank, 2, init_process_group=False, timeout=20, quiet=True,
                     env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
     import textwrap

@@ -250,5 +250,5 @@ def test_a_verdict_the_gap_cannot_change_is_given_with_a_note():
     r = OverlapResult("t", 0.0318, 0.0244, 0.0461, 0.032)
     assert not r.consistent()
     assert r.verdict().startswith("overlapped (")
-    assert "read against the measured sequential run (off by -18%), the same" in r.verdict()
+    assert "read against the measured sequential run (off by -18%), the same kind" in r.verdict()
     assert " ".join(r.table().split()).endswith(" ".join(r.verdict().split()))

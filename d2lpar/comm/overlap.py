@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 
 from d2lpar.infra.timing import Timeline
-from d2lpar.infra.verdict import busy_clause, overlap_verdict
+from d2lpar.infra.verdict import busy_clause, hidden_fraction, overlap_verdict
 from d2lpar.infra.workers import torch_threads
 
 GAP_TOLERANCE = 0.15  # measured sequential vs compute + transfer: beyond it, no verdict
@@ -83,35 +83,52 @@ class OverlapResult:
         """Whether the measured sequential run is within ``tolerance`` of compute + transfer."""
         return abs(self.gap) <= tolerance
 
+    def readings(self) -> tuple[float, float | None]:
+        """The share of the shorter job that hid (``hidden_fraction``), read twice: with compute +
+        transfer as the sequential time, and with the measured sequential run (the longer job
+        alone, plus the rest of that run as the shorter job); None where that rest is not
+        positive."""
+        first = hidden_fraction(self.overlapped, self.compute, self.transfer)
+        rest = self.sequential - self.bound
+        return first, (hidden_fraction(self.overlapped, self.bound, rest) if rest > 0 else None)
+
     def verdict(self) -> str:
         """The conclusion of this run, from its own numbers (``d2lpar.infra.verdict``).
 
-        The verdict reads compute + transfer as the sequential time. Where the measured sequential
-        run is more than ``GAP_TOLERANCE`` away from that sum, the four cases did not see the same
-        machine; the run is then read a second time, against the measured sequential run (the
-        longer job alone, plus the rest of that run as the shorter job). If both readings give the
-        same verdict, the gap cannot change it and the verdict is given with a note; otherwise no
-        verdict is given (with the busy clause where the machine was busy).
+        The run is read twice: with compute + transfer as the sequential time, and against the
+        measured sequential run (the longer job alone, plus the rest of that run as the shorter
+        job). The verdict is given only where both readings are of the same kind; where the
+        measured sequential run is more than ``GAP_TOLERANCE`` away from compute + transfer, it
+        says so. Where the readings differ, no verdict is given (with the busy clause where the
+        machine was busy). A run below the limit is reported as that: time it again.
         """
         first = overlap_verdict(self.overlapped, self.compute, self.transfer, what=self.what,
                                 behind=self.behind)
-        if self.consistent() or _reading(first) == "below the limit":  # that one says: again
+        if _reading(first) == "below the limit":  # that one already says: time them again
             return first
         rest = self.sequential - self.bound  # the shorter job, as the measured sequential run says
-        if rest > 0 and _reading(overlap_verdict(self.overlapped, self.bound, rest)) == \
-                _reading(first):
-            return (f"{first}; read against the measured sequential run (off by {self.gap:+.0%}), "
-                    f"the same")
-        return (f"no verdict: the measured sequential run and compute + transfer disagree by "
-                f"{self.gap:+.0%} and give different readings, so these four cases did not see "
-                f"the same machine; time them again" + busy_clause())
+        if rest <= 0:  # no second reading: the sequential run was no longer than the longer job
+            if self.consistent():
+                return first
+            second = "no reading (it was no longer than the longer job alone)"
+        else:
+            second = _reading(overlap_verdict(self.overlapped, self.bound, rest))
+            if second == _reading(first):
+                if self.consistent():
+                    return first
+                verdict, _, busy = first.partition("\n")  # the note before the busy clause
+                return (f"{verdict}; read against the measured sequential run (off by "
+                        f"{self.gap:+.0%}), the same kind" + (f"\n{busy}" if busy else ""))
+        return (f"no verdict: the measured sequential run ({self.gap:+.0%} against compute + "
+                f"transfer) gives a different reading: {_reading(first)} against the sum, "
+                f"{second} against the measured run; time them again" + busy_clause())
 
     def table(self) -> str:
         """The four times, the limit and the ratio, ending with the verdict of this run.
 
-        The measured sequential run is compared with compute + transfer (the sum the verdict
-        uses); a gap above 15 % is flagged, and the verdict is given only where reading the run
-        against the measured sequential run gives the same one.
+        The measured sequential run is compared with compute + transfer; a gap above 15 % is
+        flagged. The share of the shorter job that hid is printed for both readings, and the
+        verdict is given only where the two readings are of the same kind.
         """
         lines = [f"{self.name}"] + [f"  {k:<30}{v * 1e3:9.1f} ms" for k, v in self.rows()]
         lines.append(f"  ratio overlapped / max(compute, transfer) = {self.ratio:.3f}")
@@ -121,6 +138,9 @@ class OverlapResult:
         if not self.consistent():
             lines.append(f"  the sequential run took {self.gap:+.0%} against compute + transfer "
                          f"({parts * 1e3:.1f} ms): the cases saw different load")
+        first, second = self.readings()
+        lines.append(f"  hidden share of the shorter job: {first:.0%} (compute + transfer)"
+                     + (f", {second:.0%} (measured sequential run)" if second is not None else ""))
         for part in self.verdict().splitlines():  # wrapped to 100 columns, its lines kept
             lines += textwrap.wrap(part.strip(), 98, initial_indent="  ", subsequent_indent="    ")
         return "\n".join(lines)

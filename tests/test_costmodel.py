@@ -88,3 +88,6 @@ def test_gpu_compute_counts_operators_and_flops_and_scales_with_the_batch():
     gpu = cm.Gpu("test", rate=1e12, launch=1e-5)
     assert gpu.time(2e12, 3) == pytest.approx(2 + 3e-5)
     assert cm.GPUS["V100, FP32"].time(0, 10) == pytest.approx(10 * cm.GPUS["V100, FP32"].launch)
+    assert gpu.step_time(2e12, 3) == pytest.approx(2)          # the FLOPs hide the launches
+    assert gpu.step_time(1e6, 3) == pytest.approx(3e-5)        # the launches starve the GPU
+    assert gpu.step_time(2e12, 3) < gpu.time(2e12, 3)

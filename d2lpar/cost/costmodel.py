@@ -104,6 +104,12 @@ class Gpu:
     def time(self, flops: float, ops: int = 0) -> float:
         return ops * self.launch + flops / self.rate
 
+    def step_time(self, flops: float, ops: int) -> float:
+        """Eager CUDA launches are asynchronous: the CPU launches the next operator while the GPU
+        runs this one, so a step takes about the longer of the two (``time`` is their sum, an
+        upper bound)."""
+        return max(ops * self.launch, flops / self.rate)
+
 
 # Round figures, stated rather than measured: a V100 (the GPU of a 4-GPU PCIe 3.0 box) peaks at
 # 14 TFLOP/s in FP32 and sustains about half on convolutions and matrix products; eager PyTorch spends

@@ -76,7 +76,7 @@ def _predict(model_fn, batch, k, gpus):
     P = 4 * count_parameters(model_fn())
     phases = phases_per_step(P, k, batch * 28 * 28 * 4, batch * 10 * 4)
     on_link = sum(link.time(b) for _, b in phases["DataParallel"])   # its phases run in sequence
-    return gpu.time(flops_one, ops), gpu.time(flops_part, ops) + on_link
+    return gpu.step_time(flops_one, ops), gpu.step_time(flops_part, ops) + on_link
 
 
 def _time_on_gpus(model_fn, batch, k):

@@ -31,10 +31,12 @@ TORCH_SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B",
 MULTI_STAGE = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleLoopedBFS"}
 
 
-def torch_pipeline_worker(runs: list[tuple[str, list[nn.Module]]], X: torch.Tensor, y: torch.Tensor,
-                          microbatches: int, loss_fn=nn.functional.cross_entropy, repeats: int = 1) -> dict:
-    """On every rank: for each (schedule name, stages) run ``repeats`` steps; return per run this rank's
-    gradients per stage (of the last step), its pipeline_order as strings, and the step times."""
+def torch_pipeline_worker(runs: list[tuple[str, list[nn.Module]]], X: torch.Tensor,
+                          y: torch.Tensor, microbatches: int,
+                          loss_fn=nn.functional.cross_entropy, repeats: int = 1) -> dict:
+    """On every rank: for each (schedule name, stages) run ``repeats`` steps; return per run
+    this rank's gradients per stage (of the last step), its pipeline_order as strings, and the
+    step times."""
     from torch.distributed import pipelining
     rank, p = dist.get_rank(), dist.get_world_size()
     on_gpu = "nccl" in dist.get_backend_config()  # the launcher's GPU group is "cpu:gloo,cuda:nccl"
@@ -45,9 +47,12 @@ def torch_pipeline_worker(runs: list[tuple[str, list[nn.Module]]], X: torch.Tens
         cls = getattr(pipelining, cls_name)
         mine = list(range(rank, len(stages), p))
         if cls_name not in MULTI_STAGE and len(mine) != 1:
-            raise ValueError(f"{cls_name} runs one stage per rank: give {p} stages, not {len(stages)}")
-        wrapped = [pipelining.PipelineStage(stages[s].to(device), s, len(stages), device) for s in mine]
-        sched = cls(wrapped if cls_name in MULTI_STAGE else wrapped[0], microbatches, loss_fn=loss_fn)
+            raise ValueError(f"{cls_name} runs one stage per rank: "
+                             f"give {p} stages, not {len(stages)}")
+        wrapped = [pipelining.PipelineStage(stages[s].to(device), s, len(stages), device)
+                   for s in mine]
+        sched = cls(wrapped if cls_name in MULTI_STAGE else wrapped[0], microbatches,
+                    loss_fn=loss_fn)
         times = []
         for _ in range(repeats):
             for s in mine:

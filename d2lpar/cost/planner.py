@@ -139,12 +139,13 @@ def memory(model: Model, lay: Layout) -> dict[str, float]:
     """Bytes per GPU by category (the first pipeline stage: it holds the most activations).
 
     ZeRO-3 also holds, while a layer runs, that layer's gathered parameters and the embedding and
-    output layer (the root unit): notebook 14's dry run measures them as 'unsharded' and 'all-gather'.
+    output layer (the root unit): notebook 14's dry run measures them as 'unsharded' and
+    'all-gather'.
     With no pipeline, the one stage also keeps the output layer's activations (its logits)."""
     by = _bytes(model)
     psi = _stage_parameters(model, lay)
-    states = model_state_bytes(lay.zero, psi, lay.dp, param_bytes=by["param"], grad_bytes=by["grad"],
-                               optimizer_bytes=by["optimizer"])
+    states = model_state_bytes(lay.zero, psi, lay.dp, param_bytes=by["param"],
+                               grad_bytes=by["grad"], optimizer_bytes=by["optimizer"])
     b = model.batch // (lay.dp * lay.micro)          # sequences per micro-batch
     s, d = model.seq, model.d
     layers = math.ceil(model.layers / lay.pp)
@@ -181,7 +182,8 @@ def _machine(cluster: Cluster, link: Link, n: int) -> Machine:
     return Machine(cluster.name, n, link, reduce_bandwidth=1e12)
 
 
-def step_time(model: Model, cluster: Cluster, lay: Layout, dp_overlap: bool = True) -> dict[str, float]:
+def step_time(model: Model, cluster: Cluster, lay: Layout,
+              dp_overlap: bool = True) -> dict[str, float]:
     """Seconds per step: compute, bubble, exposed tensor/data/pipeline communication.
 
     dp_overlap: the data-parallel reduction runs in buckets during the backward pass (DDP, FSDP);
@@ -200,8 +202,10 @@ def step_time(model: Model, cluster: Cluster, lay: Layout, dp_overlap: bool = Tr
         "ring", act, lay.tp, _machine(cluster, tp_link, lay.tp))
     psi = _stage_parameters(model, lay)
     dp_link = _link(cluster, lay.tp * lay.dp)
-    dp_bytes = sent_bytes(lay.zero, psi, lay.dp, param_bytes=_bytes(model)["grad"]) if lay.dp > 1 else 0.0
-    dp_comm = 0.0 if lay.dp == 1 else (lay.dp - 1) * dp_link.latency * 2 + dp_bytes / dp_link.bandwidth
+    dp_bytes = (sent_bytes(lay.zero, psi, lay.dp, param_bytes=_bytes(model)["grad"])
+                if lay.dp > 1 else 0.0)
+    dp_comm = (0.0 if lay.dp == 1
+               else (lay.dp - 1) * dp_link.latency * 2 + dp_bytes / dp_link.bandwidth)
     backward = compute * 2 / 3
     dp = max(0.0, dp_comm - backward) if dp_overlap else dp_comm   # buckets overlap the backward
     pp_link = _link(cluster, cluster.gpus)   # stages span nodes once the model is cut that way
@@ -265,7 +269,8 @@ def zero3_per_microbatch(p: Plan, model: Model, cluster: Cluster) -> dict[str, f
 
 def repriced(p: Plan, model: Model, cluster: Cluster, sp: bool | None = False) -> Plan:
     """``p`` with ZeRO-3's traffic per micro-batch and, unless ``sp`` is None, its activation memory
-    by Korthikanti et al.'s Table 2 (``sp``: with sequence parallelism) in place of the planner's."""
+    by Korthikanti et al.'s Table 2 (``sp``: with sequence parallelism) in place of the
+    planner's."""
     mem = dict(p.memory)
     lay = p.layout
     if sp is not None:
@@ -276,7 +281,7 @@ def repriced(p: Plan, model: Model, cluster: Cluster, sp: bool | None = False) -
         act = layers * per * in_flight
         if lay.checkpoint == "full":    # one layer recomputed at a time holds all it saves
             act += korthikanti_layer_bytes(b, s, h, model.heads, lay.tp, "none", sp)
-        if lay.pp == 1:   # final LayerNorm, the output layer's input, its logits (the planner's terms)
+        if lay.pp == 1:   # final LayerNorm, the output layer's input, its logits (as the planner)
             act += _bytes(model)["act"] * (2 * b * s * h + 2 * b * s + b * s * model.vocab)
         mem["activations"] = act
     return Plan(lay, mem, zero3_per_microbatch(p, model, cluster),
@@ -284,8 +289,8 @@ def repriced(p: Plan, model: Model, cluster: Cluster, sp: bool | None = False) -
 
 
 def megatron_recompute(p: Plan, model: Model, cluster: Cluster) -> Plan:
-    """``p`` with full checkpointing priced as Megatron-LM reruns it: each layer's whole forward again
-    (``recompute_flops`` follows torch, which skips each segment's last product, fc2) with its two
+    """``p`` with full checkpointing priced as Megatron-LM reruns it: each layer's whole forward
+    again (``recompute_flops`` follows torch, which skips each segment's last product, fc2) with its two
     tensor-parallel all-reduces (6 per layer and micro-batch, not 4), the data-parallel reduction
     hidden behind the longer backward as ``step_time`` hides it. Other plans are returned as they
     are."""
@@ -319,7 +324,8 @@ def layouts(model: Model, cluster: Cluster, micro=None, checkpoints=("none", "se
     Micro-batch counts: every divisor of a data-parallel rank's batch up to ``MAX_MICRO``, unless
     ``micro`` lists the counts to try."""
     for tp in _divisors(cluster.gpus):
-        if tp > (max_tp or cluster.gpus_per_node) or model.heads % tp or model.d % tp or model.f % tp:
+        if (tp > (max_tp or cluster.gpus_per_node)
+                or model.heads % tp or model.d % tp or model.f % tp):
             continue
         for pp in _divisors(cluster.gpus // tp):
             dp = cluster.gpus // (tp * pp)
@@ -338,18 +344,19 @@ def layouts(model: Model, cluster: Cluster, micro=None, checkpoints=("none", "se
 
 
 def plan(model: Model, cluster: Cluster, top: int = 3, **kw) -> list[Plan]:
-    """The ``top`` fastest layouts that fit; ValueError naming the smallest memory found if none fits."""
+    """The ``top`` fastest layouts that fit; ValueError naming the smallest memory found if none
+    fits."""
     check_cluster(cluster)
     plans = [evaluate(model, cluster, lay) for lay in layouts(model, cluster, **kw)]
     if not plans:
-        raise ValueError(f"no layout of {cluster.gpus} GPUs suits {model.name}: the global batch of "
-                         f"{model.batch} must divide over the data-parallel ranks")
+        raise ValueError(f"no layout of {cluster.gpus} GPUs suits {model.name}: the global batch "
+                         f"of {model.batch} must divide over the data-parallel ranks")
     fitting = sorted((p for p in plans if p.fits), key=lambda p: p.step)
     if not fitting:
         small = min(plans, key=lambda p: p.peak_memory)
-        raise ValueError(f"no layout fits {model.name} in {cluster.memory_gb:g} GB per GPU: the smallest "
-                         f"needs {small.peak_memory / GB:.1f} GB ({small.layout}); more GPUs, GPUs with more "
-                         f"memory, or a smaller global batch would help")
+        raise ValueError(f"no layout fits {model.name} in {cluster.memory_gb:g} GB per GPU: the "
+                         f"smallest needs {small.peak_memory / GB:.1f} GB ({small.layout}); more "
+                         f"GPUs, GPUs with more memory, or a smaller global batch would help")
     return fitting[:top]
 
 
@@ -381,8 +388,8 @@ def why_lost(winner: Plan, model: Model, cluster: Cluster, top: int = 4, **kw) -
                          f"{p.peak_memory / GB:.1f} GB of {cluster.memory_gb:g}")
             continue
         part = max(p.time, key=lambda k: p.time[k] - winner.time.get(k, 0.0))
-        lines.append(f"tp {lay.tp} x pp {lay.pp}: {p.step:.3f} s, +{p.step - winner.step:.3f} s, most "
-                     f"of it {part} (+{p.time[part] - winner.time.get(part, 0.0):.3f} s)")
+        lines.append(f"tp {lay.tp} x pp {lay.pp}: {p.step:.3f} s, +{p.step - winner.step:.3f} s, "
+                     f"most of it {part} (+{p.time[part] - winner.time.get(part, 0.0):.3f} s)")
     fit = [ln for ln in lines if "does not fit" not in ln][:top]
     return fit + [ln for ln in lines if "does not fit" in ln][:top]
 

@@ -95,7 +95,8 @@ def fit_here(gpt, rate: float, rows=(1, 4), repeats: int = 5) -> Fit:
     results = launch(_fit_worker, 8, z["d"], z["heads"], z["hidden"], z["seq"], tuple(rows), rate,
                      sizes, repeats)
     times = {k: _median([r["allreduce"][k] for r in results]) for k in results[0]["allreduce"]}
-    A = torch.tensor([[2.0 * (n - 1), 2.0 * (n - 1) * K / n] for n, K in times], dtype=torch.float64)
+    A = torch.tensor([[2.0 * (n - 1), 2.0 * (n - 1) * K / n] for n, K in times],
+                     dtype=torch.float64)
     y = torch.tensor(list(times.values()), dtype=torch.float64)
     alpha, inv_beta = torch.linalg.lstsq(A, y.unsqueeze(1)).solution.squeeze(1).tolist()
     alpha, inv_beta = max(alpha, 1e-7), max(inv_beta, 1e-12)

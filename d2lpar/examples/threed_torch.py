@@ -148,11 +148,13 @@ def stage_bounds(n: int, pp: int) -> list[tuple[int, int]]:
 def parallelize(stage: nn.Sequential, mesh) -> nn.Sequential:
     """Tensor parallelism over mesh["tp"] inside each block, then FSDP2 over mesh["dp"]."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
     for layer in stage:
         if isinstance(layer, Block) and mesh["tp"].size() > 1:
-            parallelize_module(layer, mesh["tp"], {"attn.qkv": ColwiseParallel(), "attn.out": RowwiseParallel(),
-                                                   "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()})
+            plan = {"attn.qkv": ColwiseParallel(), "attn.out": RowwiseParallel(),
+                    "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+            parallelize_module(layer, mesh["tp"], plan)
         fully_shard(layer, mesh=mesh["dp"])   # one unit per layer: gathered when it runs
     return fully_shard(stage, mesh=mesh["dp"])
 

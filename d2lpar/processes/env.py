@@ -117,7 +117,8 @@ def local_rank_from_argv(argv: Sequence[str]) -> int | None:
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand SLURM's compressed host list: ``'gpu[01-03,07],cpu5'`` -> gpu01 gpu02 gpu03 gpu07 cpu5.
+    """Expand SLURM's compressed host list:
+    ``'gpu[01-03,07],cpu5'`` -> gpu01 gpu02 gpu03 gpu07 cpu5.
 
     Ranges keep their zero padding; several bracket groups in one name multiply out
     (``'r[1-2]n[1-2]'`` -> r1n1 r1n2 r2n1 r2n2).

@@ -70,9 +70,9 @@ def delayed_sgd(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Te
                 diverged: float = 1e3) -> tuple[list[float], nn.Module]:
     """SGD where update t uses the gradient at the parameters of update t - tau.
 
-    Returns the loss on ``eval_data`` every ``eval_every`` updates (stopping early, with ``inf``,
-    once it exceeds ``diverged``) and the trained copy of ``model`` (``model`` itself is left
-    unchanged).
+    Returns the loss on ``eval_data`` before every ``eval_every``-th update and once more after the
+    last one (stopping early, with ``inf``, once it exceeds ``diverged``), and the trained copy of
+    ``model`` (``model`` itself is left unchanged).
     """
     if tau < 0:
         raise ValueError(f"tau (how many updates old a gradient is) must be >= 0, got {tau}")
@@ -89,6 +89,11 @@ def delayed_sgd(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Te
                 break
         w = w - lr * _grad_at(worker, past[0], X, y)  # past[0] is w_{t - tau}
         past.append(w.clone())
+    else:  # no divergence: the loss after the last update too
+        vector_to_parameters(w, trained.parameters())
+        losses.append(full_loss(trained, *eval_data))
+        if not losses[-1] <= diverged:
+            losses[-1] = math.inf
     vector_to_parameters(w, trained.parameters())
     return losses, trained
 

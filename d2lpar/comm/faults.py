@@ -89,10 +89,22 @@ def mismatch(kind: str, timeout_s: float = 5):
             raise ValueError(f"kind={kind!r}: use 'order', 'shape' or 'dtype'")
     except RuntimeError as e:
         result = "error: " + _said(e)
-        if kind == "order":   # keep the connection open while a slower peer reaches its own timeout
-            time.sleep(timeout_s)
+        if kind == "order":   # keep the connection open until the slower peer has its own timeout
+            _wait_for_peers(rank, 2 * timeout_s)
     dist.destroy_process_group()
     return result
+
+
+def _wait_for_peers(rank: int, deadline_s: float) -> None:
+    """Say 'done' in the group's store and wait (up to a deadline) until every rank has: a rank
+    that destroyed its group at once would turn a slower peer's timeout into 'connection closed'."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"fault_done_{rank}", "1")
+    try:
+        store.wait([f"fault_done_{r}" for r in range(dist.get_world_size())],
+                   timedelta(seconds=deadline_s))
+    except RuntimeError:
+        pass  # the peer is gone or slower than the deadline: nothing more to keep open for
 
 
 def _ddp_model(seed: int = 0, branch: bool = False):

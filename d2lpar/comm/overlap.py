@@ -112,15 +112,19 @@ class OverlapResult:
                 return first
             second = "no reading (it was no longer than the longer job alone)"
         else:
-            second = _reading(overlap_verdict(self.overlapped, self.bound, rest))
-            if second == _reading(first):
+            full = overlap_verdict(self.overlapped, self.bound, rest)
+            second = _kind(full)
+            if second == _kind(first):
                 if self.consistent():
                     return first
                 verdict, _, busy = first.partition("\n")  # the note before the busy clause
+                if _reading(first) != "overlapped":  # the measured run's clause, e.g. its share
+                    head, clause = verdict.split(": ", 1)[0], full.partition("\n")[0]
+                    verdict = f"{head}: {clause.split(': ', 1)[1]}"
                 return (f"{verdict}; read against the measured sequential run (off by "
                         f"{self.gap:+.0%}), the same kind" + (f"\n{busy}" if busy else ""))
         return (f"no verdict: the measured sequential run ({self.gap:+.0%} against compute + "
-                f"transfer) gives a different reading: {_reading(first)} against the sum, "
+                f"transfer) gives a different reading: {_kind(first)} against the sum, "
                 f"{second} against the measured run; time them again" + busy_clause())
 
     def table(self) -> str:
@@ -150,6 +154,16 @@ def _reading(verdict: str) -> str:
     """The kind of a verdict (``overlapped``, ``partly overlapped``, ``no overlap in this run``,
     ``below the limit``), without its figures."""
     return verdict.split(" (", 1)[0]
+
+
+def _kind(verdict: str) -> str:
+    """The kind of a verdict as ``_reading`` gives it, with "no overlap" split in two: the two
+    slowed each other (longer than the sum) or as long as one after the other."""
+    kind = _reading(verdict)
+    if kind.startswith("no overlap"):
+        slowed = "slowed each other" in verdict
+        kind += ", the two slowed each other" if slowed else ", as long as one after the other"
+    return kind
 
 
 def matmul_loop(x: torch.Tensor, steps: int) -> torch.Tensor:

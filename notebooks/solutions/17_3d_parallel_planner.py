@@ -91,9 +91,11 @@ def exercise_2():
 
 
 def exercise_3():
-    """Buckets hide the reduction behind the backward pass: the saving is the smaller of the two, a few
-    percent of these steps (compute dominates them). It is nothing with no data parallelism (dp 1:
-    there is no reduction to hide)."""
+    """By the planner's prices, buckets hide the reduction behind the backward pass: the saving is the
+    smaller of the two, a few percent of these steps (compute dominates them). Those prices let the
+    backward of all m micro-batches hide it; with accumulation the gradients are reduced once, after
+    the last micro-batch, so only that micro-batch's backward can hide them: for m > 1 these savings
+    are upper bounds. It is nothing with no data parallelism (dp 1: there is no reduction to hide)."""
     _, gpt8, fit = _here()
     here, cluster = here_model(gpt8, 32), fit.cluster(1e9)
     gpt3, a100 = P.MODELS["gpt3-175b"], P.CLUSTERS["1024 A100-80GB"]
@@ -118,7 +120,7 @@ def exercise_3():
             link = c.inter_bandwidth, c.inter_latency
         ring = 0.0 if n == 1 else 2 * (n - 1) * link[1] + 2 * (n - 1) / n * grads / link[0]
         expected = min(ring, after["compute"] * 2 / 3)
-        print(f"    by hand: the ring takes {ring:.4f} s, {expected:.4f} s of it hidden")
+        print(f"    by hand: the ring takes {ring:.4f} s, {expected:.4f} s of it hidden by the planner's price")
         assert math.isclose(saved[name], expected, rel_tol=1e-6, abs_tol=1e-12), (saved[name], expected)
         assert (saved[name] > 0) == (lay.dp > 1)
     return saved

@@ -8,22 +8,38 @@ from d2lpar.strategies.context import ring as R
 
 
 def exercise_1():
-    """Ulysses / ring bytes = [4 (N-1)/N] / [2 (N-1)] = 2/N: fewer from N = 3 on, 4x fewer at N = 8."""
-    b, S, d = 1, 8192, 4096
-    ratios = {n: CC.ulysses_bytes(b, S, d, n) / CC.ring_bytes(b, S, d, n) for n in range(2, 9)}
-    print({n: round(r, 3) for n, r in ratios.items()})
-    assert all(abs(r - 2 / n) < 1e-12 for n, r in ratios.items())
-    assert [n for n, r in ratios.items() if r < 1] == list(range(3, 9)) and ratios[8] == 0.25
-    return ratios[8]
+    """GQA: Ulysses sends q and the output at width a d_h and k, v at g d_h, each 2 (N-1)/N (S/N)
+    of them; the ring passes only k and v, (N-1) 2 (S/N) g d_h. Ratio (a + g) / (N g)."""
+    b, S, n, a, g, dh, e = 1, 8192, 8, 32, 8, 128, 2
+    ulysses = 2 * (n - 1) / n * (S / n) * (a + g) * dh * e * b
+    ring = (n - 1) * 2 * b * (S / n) * g * dh * e
+    # context_cost counts four (Ulysses) or two (ring) pieces of one width: half of each at each width
+    ulysses_cc = (CC.ulysses_bytes(b, S, a * dh, n, element=e)
+                  + CC.ulysses_bytes(b, S, g * dh, n, element=e)) / 2
+    ring_cc = CC.ring_bytes(b, S, g * dh, n, element=e)
+    print(f"Ulysses {ulysses / 2**20:.2f} MiB, ring {ring / 2**20:.2f} MiB per rank; "
+          f"ratio {ulysses / ring:.3f} = (a + g) / (N g)")
+    assert ulysses == ulysses_cc and ring == ring_cc
+    assert abs(ulysses / ring - (a + g) / (n * g)) < 1e-12
+    return ulysses / ring
 
 
 def exercise_2():
-    """Rank r does r full blocks and a triangle: r + 1/2; the last over the first is 2N - 1."""
-    n = 8
-    work = R.work_per_rank(n, causal=True, zigzag=False)
-    print(f"work per rank: {work}; last / first = {work[-1] / work[0]:.0f}")
-    assert work[-1] / work[0] == 2 * n - 1
-    return work[-1] / work[0]
+    """Contiguous, N = 3: chunks of S/3, the last rank 2 full blocks and a triangle = 2.5 blocks =
+    2.5/9 of one device's S^2 pairs, i.e. 2.5 / 4.5 = 5/9 of the causal work. Zig-zag: 6 chunks of
+    S/6, every rank 6 blocks = 6/36 of S^2 = 1/3 of the causal work. The step shortens 5/3 times."""
+    n = 3
+    contiguous = R.work_per_rank(n, causal=True, zigzag=False)          # blocks of (S/N)^2
+    zigzag = R.work_per_rank(n, causal=True, zigzag=True)               # blocks of (S/2N)^2
+    causal_total = 0.5                                                  # of S^2 pairs
+    slow_contiguous = max(contiguous) / n**2 / causal_total
+    slow_zigzag = max(zigzag) / (2 * n) ** 2 / causal_total
+    print(f"contiguous {contiguous} (blocks of S/3), zig-zag {zigzag} (blocks of S/6)")
+    print(f"slowest rank: {slow_contiguous:.3f} of the work (contiguous), {slow_zigzag:.3f} "
+          f"(zig-zag): {slow_contiguous / slow_zigzag:.2f}x shorter")
+    assert contiguous == [0.5, 1.5, 2.5] and zigzag == [6.0, 6.0, 6.0]
+    assert abs(slow_contiguous - 5 / 9) < 1e-12 and abs(slow_zigzag - 1 / 3) < 1e-12
+    return slow_contiguous / slow_zigzag
 
 
 def exercise_3():

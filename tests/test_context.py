@@ -125,13 +125,14 @@ def test_the_overlap_timeline_draws_each_transfer_from_post_to_wait():
     assert t["overlapped"] == pytest.approx(max(ends))   # the drawn run is the one timed
 
 
-def test_the_overlap_check_fails_when_nothing_hid_on_a_quiet_machine(monkeypatch):
+def test_the_overlap_check_fails_when_a_rank_waited_for_its_transfers_on_a_quiet_machine(
+        monkeypatch):
     from d2lpar.infra.check import CheckFailed
     from d2lpar.strategies.context import timing as T
     monkeypatch.setattr(T, "busy_clause", lambda: "")
-    T.overlap_check({"compute": 1.0, "transfer": 0.5, "overlapped": 1.05})
-    T.overlap_check({"compute": 1.0, "transfer": 0.5, "overlapped": 1.4})   # part hid: printed
-    with pytest.raises(CheckFailed):   # longer than the two in sequence: nothing overlapped
-        T.overlap_check({"compute": 1.0, "transfer": 0.5, "overlapped": 1.6})
+    ranks = lambda *idle: [{"idle": i} for i in idle]
+    T.overlap_check({"transfer": 0.08, "per_rank": ranks(0.0002, 0.01)})   # hid: OK
+    with pytest.raises(CheckFailed):   # a rank waited for most of the transfers: nothing hid
+        T.overlap_check({"transfer": 0.08, "per_rank": ranks(0.0002, 0.07)})
     monkeypatch.setattr(T, "busy_clause", lambda: "\n  (a busy machine)")
-    T.overlap_check({"compute": 1.0, "transfer": 0.5, "overlapped": 1.6})   # prints, no raise
+    T.overlap_check({"transfer": 0.08, "per_rank": ranks(0.0002, 0.07)})   # prints, no raise

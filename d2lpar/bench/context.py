@@ -52,7 +52,7 @@ def check_run(method, n, b=2, heads=4, S=48, dh=8, causal=True, zigzag=False):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m d2lpar bench context", description=__doc__)
     p.add_argument("--wait-ms", type=float, default=None,
-                   help="device time per block (ms; default: 2 times one block's transfer)")
+                   help="device time per block (ms; default: 3 times one block's transfer)")
     args = p.parse_args(argv)
     ratios = []
     print(f"{'method':<22}{'ranks':>6}{'bytes / formula':>17}{'max |diff|':>12}")

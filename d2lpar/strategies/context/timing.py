@@ -38,7 +38,7 @@ def _median(fn, repeats: int) -> float:
 
 
 def ring_overlap(b: int, heads: int, s_local: int, dh: int, device_wait: float | None = None,
-                 repeats: int = 5, factor: float = 2.0):
+                 repeats: int = 5, factor: float = 3.0):
     """In a launched rank: {'compute', 'transfer', 'overlapped', 'device_wait'} seconds, and
     'spans' and 'per_rank' of the ring run that 'overlapped' times, on every rank.
 
@@ -129,19 +129,19 @@ def _draw(spans: list, one: float, t0: float, t_end: float, alone: bool):
 
 
 def overlap_check(timing: dict) -> None:
-    """Check that at least ``HIDDEN_SHARE`` of the transfers hid behind the compute in the medians.
-    A partial miss, or any miss on a busy machine, prints that it was not shown in this run (a
-    timing on shared cores); only a ring longer than compute and transfers in sequence on a quiet
-    machine fails: then nothing overlapped at all."""
-    hid = hidden_fraction(timing["overlapped"], timing["compute"], timing["transfer"])
-    shown = (f"{hid:.0%} hid; {HIDDEN_SHARE:.0%} needed" if hid >= 0
-             else "longer than the two in sequence")
-    claim = f"the ring took at most compute + {1 - HIDDEN_SHARE:.0%} of the transfers ({shown})"
+    """Check that the transfers hid behind the compute: no rank sat in ``wait()`` for more than
+    ``1 - HIDDEN_SHARE`` of the transfers' time (measured alone). That waiting is what overlap
+    removes; what else the ring takes beyond its compute (posting a send, which on this CPU backend
+    takes time in the caller's thread, and the ranks leaving the barrier apart) is printed per rank
+    beside it. On
+    a busy machine a miss prints that it was not shown in this run instead of failing."""
+    idle = max(r["idle"] for r in timing["per_rank"])
+    hid = 1 - idle / timing["transfer"]
+    claim = (f"the transfers hid: no rank waited in wait() for more than "
+             f"{1 - HIDDEN_SHARE:.0%} of their time ({idle * 1e3:.1f} of "
+             f"{timing['transfer'] * 1e3:.1f} ms)")
     busy = busy_clause()
-    if hid >= HIDDEN_SHARE:
-        check(claim, True)
-    elif busy or hid >= 0:  # a timing on shared cores: say so, do not fail the notebook
-        print(f"NOT SHOWN in this run  {claim}"
-              + (busy or "\n  (late starts and posting, printed below, took the rest)"))
-    else:                   # longer than compute and transfers in sequence on a quiet machine
-        check(claim, False)
+    if hid < HIDDEN_SHARE and busy:
+        print(f"NOT SHOWN in this run  {claim}" + busy)
+        return
+    check(claim, hid >= HIDDEN_SHARE)

@@ -7,10 +7,12 @@ import torch
 from d2lpar.cost.memory_levers import dry_run_formula
 from d2lpar.strategies.memory.dry_run import GPT, GPTConfig, dry_run
 
+# Notebook 14 checks every category of the 8B model on 8 and 64 ranks; one small shape here keeps
+# the module honest without repeating that run.
 CONFIGS = [GPTConfig(2, 32, 2, 64, 96), GPTConfig(3, 48, 4, 96, 200), GPTConfig(1, 64, 8, 128, 64)]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["2x32", "3x48", "1x64"])
+@pytest.mark.parametrize("cfg", CONFIGS[2:], ids=["1x64"])
 def test_every_category_equals_its_formula(cfg):
     for shape, plan in (((2,), "fsdp"), ((4,), "fsdp"), ((8,), "fsdp"), ((2, 2), "fsdp+tp")):
         r = dry_run(lambda: GPT(cfg), shape, plan, batch=2, seq=8)

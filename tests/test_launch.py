@@ -348,7 +348,7 @@ def test_a_long_run_shows_its_progress_while_it_runs(no_strays, capsys):
     def slow():
         import time
         print("step 1 of 2")
-        time.sleep(2.5)
+        time.sleep(1.5)
         return "done"
 
     assert launch(slow, 2, progress=0.5) == ["done", "done"]

@@ -42,6 +42,7 @@ from torch import nn
 
 from d2lpar.comm.collectives import ring_rank_bytes, ring_rank_formula
 from d2lpar.infra.data import split_sizes
+from d2lpar.infra.partition import balanced_bounds
 
 __all__ = ["mlp_activation_bytes", "Footprint", "footprints",
            "partition_layers", "STRATEGIES"]
@@ -67,25 +68,7 @@ def partition_layers(sizes: tuple[int, ...], parts: int) -> list[list[int]]:
     if not 1 <= parts <= len(params):
         raise ValueError(f"cannot split {len(params)} layers into {parts} groups: use 1 to "
                          f"{len(params)} devices for model parallelism, or a deeper model")
-    L = len(params)
-    prefix = [0]
-    for p in params:
-        prefix.append(prefix[-1] + p)
-    # best[g][j]: the smallest possible largest group when the first j layers form g groups
-    best = [[float("inf")] * (L + 1) for _ in range(parts + 1)]
-    cut = [[0] * (L + 1) for _ in range(parts + 1)]
-    best[0][0] = 0
-    for g in range(1, parts + 1):
-        for j in range(g, L + 1):
-            for i in range(g - 1, j):
-                cost = max(best[g - 1][i], prefix[j] - prefix[i])
-                if cost < best[g][j]:
-                    best[g][j], cut[g][j] = cost, i
-    groups, j = [], L
-    for g in range(parts, 0, -1):
-        groups.append(list(range(cut[g][j], j)))
-        j = cut[g][j]
-    return groups[::-1]
+    return [list(range(a, b)) for a, b in balanced_bounds(params, parts)]
 
 
 @dataclass

@@ -42,6 +42,7 @@ from torch import nn
 
 from d2lpar.infra.activations import SavedTensors
 from d2lpar.infra.data import chunk_bounds
+from d2lpar.infra.partition import balanced_bounds
 from d2lpar.infra.timing import Span, Timeline
 from d2lpar.processes.launch import launch
 from d2lpar.strategies.pipeline.schedules import Schedule, ScheduleError, split_layers, validate
@@ -89,24 +90,8 @@ def split_balanced(model: nn.Sequential, stages: int) -> list[nn.Sequential]:
         raise ScheduleError(f"cannot cut {len(units)} layers with parameters into {stages} stages: "
                             f"use 1 to {len(units)} stages, or split_model")
     weight = [sum(q.numel() for m in unit for q in m.parameters()) for unit in units]
-    prefix = [0]
-    for w in weight:
-        prefix.append(prefix[-1] + w)
-    n = len(units)
-    best = [[float("inf")] * (n + 1) for _ in range(stages + 1)]   # best[g][j]: g stages, j units
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
-    for g in range(1, stages + 1):
-        for j in range(g, n + 1):
-            for i in range(g - 1, j):
-                cost = max(best[g - 1][i], prefix[j] - prefix[i])
-                if cost < best[g][j]:
-                    best[g][j], cut[g][j] = cost, i
-    bounds, j = [], n
-    for g in range(stages, 0, -1):
-        bounds.append((cut[g][j], j))
-        j = cut[g][j]
-    return [nn.Sequential(*[m for unit in units[a:b] for m in unit]) for a, b in bounds[::-1]]
+    return [nn.Sequential(*[m for unit in units[a:b] for m in unit])
+            for a, b in balanced_bounds(weight, stages)]
 
 
 def _expects(module: nn.Module) -> str:

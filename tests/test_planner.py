@@ -7,6 +7,7 @@ import pytest
 
 from d2lpar.cost import planner as PL
 from d2lpar.cost import published as PUB
+from d2lpar.cost import repricing as RP
 
 
 def test_megatron_table_1_parameter_counts():
@@ -62,13 +63,13 @@ def test_the_command_answers(capsys):
 def test_megatron_recompute_reruns_fc2_and_the_two_all_reduces():
     model, cluster = PL.MODELS["gpt3-175b"], PL.CLUSTERS["1024 A100-80GB"]
     p = PL.evaluate(model, cluster, PL.Layout(16, 8, 8, zero=0, micro=96, checkpoint="full"))
-    q = PL.megatron_recompute(p, model, cluster)
+    q = RP.megatron_recompute(p, model, cluster)
     assert abs(q.time["tensor"] - 1.5 * p.time["tensor"]) < 1e-12
     b = model.batch // (16 * 96)
     fc2 = 96 * 12 * 2 * b * model.seq * model.d * model.f / 8 / (cluster.peak_flops * cluster.utilisation)
     assert abs(q.time["compute"] - p.time["compute"] - fc2) < 1e-9
     sel = PL.evaluate(model, cluster, PL.Layout(16, 8, 8, zero=0, micro=96, checkpoint="selective"))
-    assert PL.megatron_recompute(sel, model, cluster) is sel
+    assert RP.megatron_recompute(sel, model, cluster) is sel
 
 
 def test_megatron_recompute_hides_the_data_term_behind_the_longer_backward():
@@ -77,7 +78,7 @@ def test_megatron_recompute_hides_the_data_term_behind_the_longer_backward():
     cluster = dataclasses.replace(PL.CLUSTERS["1024 A100-80GB"], gpus=1536)
     lay = PL.Layout(1536, 1, 1, zero=3, micro=1, checkpoint="full")
     p = PL.evaluate(model, cluster, lay)
-    q = PL.megatron_recompute(p, model, cluster)
+    q = RP.megatron_recompute(p, model, cluster)
     assert p.time["data"] > 0                  # exposed before, so the fix can be seen
     exposed = PL.step_time(model, cluster, lay, dp_overlap=False)["data"]
     assert abs(q.time["data"] - max(0.0, exposed - q.time["compute"] * 2 / 3)) < 1e-9

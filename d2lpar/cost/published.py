@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from d2lpar.cost import planner as P
+from d2lpar.cost import repricing as RP
 
 __all__ = ["megatron_parameters", "MEGATRON_TABLE_1", "MEGATRON_TABLE_2", "megatron_days",
            "megatron_step_flops", "table_2_layouts", "price_table_2", "torchtitan_mfu", "compute_bound_batch", "A100_PEAK"]
@@ -62,7 +63,7 @@ def price_table_2(model: P.Model, cluster: P.Cluster, **kw) -> dict[int, dict[st
         cl = dataclasses.replace(cluster, gpus=gpus, name=f"{gpus} GPUs")
         out[gpus] = {}
         for scheme, lay in table_2_layouts(model, gpus, **kw).items():
-            p = P.megatron_recompute(P.evaluate(model, cl, lay), model, cl)
+            p = RP.megatron_recompute(P.evaluate(model, cl, lay), model, cl)
             out[gpus][scheme] = (p, flops / (p.step * gpus) / 1e12)
     return out
 

@@ -1,12 +1,12 @@
 """What the planner's price leaves out, priced with the planner's own functions.
 
 Notebook 17 sets the planner's pick beside published measurements; these re-price a plan with
-one term the planner does not count, each from a formula the course teaches:
+terms the planner does not count, from formulas the course teaches:
 
 * ``zero3_per_microbatch``: ZeRO-3's gathers and reduce-scatter paid in every micro-batch (FSDP
   re-gathers per micro-batch unless the unsharded stage fits), not once per step;
-* ``repriced``: that, plus activation memory per Korthikanti et al. 2022, Table 2
-  (``korthikanti_layer_bytes``), with or without sequence parallelism;
+* ``repriced``: that, plus activation memory per Korthikanti et al. 2022, Table 2, with or
+  without sequence parallelism (``korthikanti_layer_bytes`` counts one layer's bytes);
 * ``megatron_recompute``: full checkpointing as Megatron-LM reruns it (the whole forward and its
   two tensor-parallel all-reduces again).
 

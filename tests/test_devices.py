@@ -120,3 +120,21 @@ def test_the_simulation_notice_fits_in_100_columns_and_nbval_drops_it(no_gpus, c
     for regex, replace in get_sanitize_patterns((Path(__file__).parent / "nbval_sanitize.cfg").read_text()):
         text = re.sub(regex, replace, text)
     assert text == "OK  a check\n"
+
+
+def test_one_gpu_as_on_colab_or_kaggle(monkeypatch, capsys):
+    """One GPU (Colab, Kaggle): one device asked for is the GPU; more are simulated on the CPU; one
+    rank gets NCCL, several share the CPU through gloo (as the README's Colab section says)."""
+    from d2lpar.processes.launch import choose_backend
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(devices, "_announced", set())
+    assert devices.get_devices() == [torch.device("cuda", 0)]
+    assert devices.get_devices(1) == [torch.device("cuda", 0)]
+    assert devices.get_devices(2) == [torch.device("cpu", 0), torch.device("cpu", 1)]
+    assert "found 1 GPU(s): simulating 2 devices on the CPU" in capsys.readouterr().out
+    assert choose_backend(1)[0] == "nccl"
+    backend, reason = choose_backend(2)
+    assert backend == "gloo" and "2 ranks but 1 GPU(s)" in reason

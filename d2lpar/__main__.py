@@ -1,11 +1,13 @@
 """``python -m d2lpar info``, ``python -m d2lpar bench <name>``, ``python -m d2lpar plan ...``,
-``python -m d2lpar gpu`` and ``python -m d2lpar quiet``."""
+``python -m d2lpar gpu``, ``python -m d2lpar quiet`` and ``python -m d2lpar solution NN`` (prints the
+worked solutions of notebook NN, which ship with the package in ``d2lpar/solutions/``)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 BENCHMARKS = {
     "launch": "d2lpar.bench.launch",
@@ -21,6 +23,20 @@ BENCHMARKS = {
     "3d": "d2lpar.bench.threed",
 }
 
+SOLUTIONS = Path(__file__).resolve().parent / "solutions"
+
+
+def solution_file(number: str, folder: Path = SOLUTIONS) -> Path:
+    """The worked solutions of notebook ``number`` ("7", "07" or "07_ddp"); ValueError if none."""
+    files = sorted(folder.glob("[0-9][0-9]_*.py"))
+    digits = number.split("_")[0]
+    found = [f for f in files if digits.isdigit() and f.name[:2] == f"{int(digits):02d}"]
+    if not found:
+        known = f"{files[0].name[:2]} to {files[-1].name[:2]}" if files else "none found"
+        raise ValueError(f"no solutions for notebook {number!r}: give a number from {known}, "
+                         "e.g. 14")
+    return found[0]
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m d2lpar", description=__doc__)
@@ -33,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
                           "that train a described model fastest on a described cluster")
     plan.add_argument("rest", nargs=argparse.REMAINDER, help="options (python -m d2lpar plan --help)")
     sub.add_parser("quiet", help="exit 1, saying why, when the machine is too busy to time anything")
+    solution = sub.add_parser("solution", help="print the worked solutions of notebook NN "
+                              "(the file's path comes first)")
+    solution.add_argument("number", help="the notebook's number, e.g. 14")
     bench = sub.add_parser("bench", help="benchmarks that print figures")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options for the benchmark")
@@ -48,6 +67,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "gpu":
         from d2lpar.gpu_report import main as gpu_main
         return gpu_main(args.rest)
+    if args.command == "solution":
+        try:
+            path = solution_file(args.number)
+        except ValueError as e:
+            print(f"python -m d2lpar solution: {e}", file=sys.stderr)
+            return 2
+        print(f"# {path}")
+        print(path.read_text(), end="")
+        return 0
     if args.command == "quiet":
         from d2lpar.infra.timing import quiet_or_exit
         return quiet_or_exit()

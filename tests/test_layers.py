@@ -1,8 +1,9 @@
 """The package's layers: a module may import from its own layer or a lower one, never a higher one.
 
 Layers, lowest first (README, "How d2lpar is organised"): infra, processes, comm, strategies, cost,
-then the faces (``info``, ``bench``, ``examples``, ``gpu_report``, ``__main__``). Every ``import`` counts, including
-those inside functions: a lazy import still ties the lower layer to the higher one.
+then the faces (``info``, ``bench``, ``examples``, ``gpu_report``, ``solutions``, ``__main__``).
+Every ``import`` counts, including those inside functions: a lazy import still ties the lower layer
+to the higher one.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "d2lpar"
 LAYERS = ["infra", "processes", "comm", "strategies", "cost"]
-FACES = {"info", "bench", "examples", "gpu_report", "__main__"}
+FACES = {"info", "bench", "examples", "gpu_report", "solutions", "__main__"}
 
 
 def layer_of(module: str) -> int | None:

@@ -1,7 +1,7 @@
 """Every notebook's exercises have worked solutions, and the solutions run.
 
 A notebook's exercises are the numbered items under its "Exercises" heading. Their solutions live
-in ``notebooks/solutions/<notebook stem>.py`` as functions ``exercise_1``, ``exercise_2``, ...; each
+in ``d2lpar/solutions/<notebook stem>.py`` (shipped with the package) as functions ``exercise_1``, ``exercise_2``, ...; each
 computes its answer, prints it, and asserts what the answer claims, so a solution that stops being
 true fails here. An exercise that needs a GPU says so and its solution runs a CPU variant without one.
 """
@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-SOLUTIONS = NOTEBOOKS / "solutions"
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+SOLUTIONS = ROOT / "d2lpar" / "solutions"
 
 
 def exercises_section(notebook: Path) -> str:
@@ -43,7 +44,7 @@ def test_every_notebook_has_exercises_and_a_solution_for_each(notebook):
     count = exercise_count(NOTEBOOKS / f"{notebook}.ipynb")
     assert count >= 1, f"{notebook}: no numbered items under an 'Exercises' heading"
     path = SOLUTIONS / f"{notebook}.py"
-    assert path.exists(), f"{notebook}: write its solutions in {path.relative_to(NOTEBOOKS.parent)}"
+    assert path.exists(), f"{notebook}: write its solutions in {path.relative_to(ROOT)}"
     names = sorted(n for n in runpy.run_path(str(path)) if re.fullmatch(r"exercise_\d+", n))
     assert names == sorted(f"exercise_{k}" for k in range(1, count + 1)), \
         f"{notebook}: {count} exercises in the notebook, solutions define {names}"
@@ -51,9 +52,27 @@ def test_every_notebook_has_exercises_and_a_solution_for_each(notebook):
 
 @pytest.mark.parametrize("notebook", sorted(p.stem for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")))
 def test_every_exercises_section_links_its_solutions_file(notebook):
-    link = f"(solutions/{notebook}.py)"
+    link = f"(../d2lpar/solutions/{notebook}.py)"  # relative to notebooks/, as the link is
     assert link in exercises_section(NOTEBOOKS / f"{notebook}.ipynb"), \
         f"{notebook}: its Exercises section should link its worked solutions, as [...]{link}"
+
+
+def test_solution_command_prints_the_shipped_file(capsys):
+    from d2lpar.__main__ import main
+    assert main(["solution", "7"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"# {SOLUTIONS / '07_ddp.py'}"
+    assert out.split("\n", 1)[1] == (SOLUTIONS / "07_ddp.py").read_text()
+
+
+@pytest.mark.parametrize("number", ["18", "x", "1x"])
+def test_solution_command_names_the_numbers_it_knows(capsys, number):
+    from d2lpar.__main__ import main
+    assert main(["solution", number]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"python -m d2lpar solution: no solutions for notebook {number!r}: "
+                   "give a number from 00 to 17, e.g. 14\n")
+    assert len(err.rstrip()) <= 100
 
 
 _loaded: dict[str, dict] = {}

@@ -66,6 +66,7 @@ def test_a_forgotten_dp_average_fails_the_gradient_check_by_two_and_barely_moves
     B = batches(CORPUS.ids, 8, 16, 2)
     one = char_gpt(CORPUS.vocab, 16, layers=2, d=32, heads=4)
     grads = first_gradients(one, *B[0])
+    start = {k: v.clone() for k, v in one.state_dict().items()}
     train_one_device(one, B)
     r = run_3d(char_gpt(CORPUS.vocab, 16, layers=2, d=32, heads=4), B, dp=2, tp=2, pp=2,
                microbatches=2, average=summed_not_averaged)
@@ -73,10 +74,13 @@ def test_a_forgotten_dp_average_fails_the_gradient_check_by_two_and_barely_moves
         _grads_equal(r.grads, grads)
     torch.testing.assert_close(r.grads["1.mlp.fc1.weight"], 2 * grads["1.mlp.fc1.weight"],
                                rtol=1e-4, atol=1e-6)
-    # AdamW hides most of the factor 2: on this model and these steps the weights still pass a
-    # loose check (fragile: notebook 17's model fails its own at the same tolerance)
-    for k, v in one.state_dict().items():
-        torch.testing.assert_close(r.state[k], v, rtol=1e-3, atol=2e-4, msg=k)
+    # AdamW hides most of the factor 2 (its update divides m by sqrt(v)): the weights move away
+    # from one device's by a small part of what the steps moved them, taken over all weights (an
+    # element-wise tolerance is not: elements whose gradient is near AdamW's eps move by up to
+    # twice as much, and which elements those are depends on the CPU's kernels)
+    off = sum(float((r.state[k] - v).float().norm() ** 2) for k, v in one.state_dict().items())
+    moved = sum(float((v - start[k]).float().norm() ** 2) for k, v in one.state_dict().items())
+    assert moved > 0 and (off / moved) ** 0.5 < 0.1, (off / moved) ** 0.5
 
 
 TORCH_ARGV = ["--layers", "2", "--d", "32", "--heads", "4", "--seq", "16", "--batch-size", "8",

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from d2lpar.processes.commands import (REPO, CommandFailed, free_port, is_alive, launcher_free_env,
-                                       leftovers, pretty, run, start)
+                                       leftovers, pretty, run, start, typed_path, working_folder)
 
 # A parent that starts a child in a session of its own (as torchrun does with its workers), then waits.
 ESCAPER = textwrap.dedent("""
@@ -53,6 +53,33 @@ def test_pretty_prints_what_a_reader_types():
            str(REPO / "d2lpar/examples/train_ddp.py")]
     assert pretty(cmd) == "torchrun --standalone d2lpar/examples/train_ddp.py"
     assert pretty([sys.executable, "x.py"], env={"SLURM_PROCID": "0"}) == "SLURM_PROCID=0 python x.py"
+
+
+def test_commands_are_typed_in_the_checkouts_root_inside_it_else_where_you_are(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO / "notebooks")  # a notebook's kernel in the checkout
+    assert working_folder() == REPO
+    assert pretty([sys.executable, str(REPO / "build" / "x")]) == "python build/x"
+    monkeypatch.chdir(tmp_path)  # a notebook copied alone into an empty folder
+    assert working_folder() == tmp_path.resolve()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "-m", "d2lpar.examples.ddp_torch",
+           "--out", str(tmp_path / "runs" / "a")]
+    assert pretty(cmd) == "torchrun -m d2lpar.examples.ddp_torch --out runs/a"
+
+
+def test_a_path_outside_the_folder_is_printed_as_it_really_is(tmp_path, monkeypatch):
+    here, home, cache = tmp_path / "student", tmp_path / "home", tmp_path / "cache" / "d2lpar"
+    for folder in (here, home):
+        folder.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(here)
+    assert typed_path(here / "build" / "x") == "build/x"
+    assert typed_path(home / ".cache" / "d2lpar" / "07_ddp") == "~/.cache/d2lpar/07_ddp"
+    assert typed_path(cache / "07_ddp") == str(cache / "07_ddp")  # never build/07_ddp here
+    assert typed_path(cache / "07_ddp", folder=tmp_path) == "cache/d2lpar/07_ddp"
+    # quoted for the shell, with ~ left where the shell expands it (not inside quotes, not after =)
+    assert pretty(["ls", str(home / "a b"), f"--out={home / 'c'}"]) == \
+        f"ls ~/'a b' --out={home / 'c'}"
+    assert typed_path("~x", folder=here) == "~x"  # a relative name is relative to the folder
 
 
 def test_free_port_is_a_port():

@@ -1,14 +1,16 @@
 """Runs of launcher commands: a failed job stops its partners within seconds, commands fold to
 at most 100 characters, a run keeps its weights, time and log, and
-torchrun's logged exit-barrier error is summed up in two lines while other errors still print."""
+torchrun's logged exit-barrier error is summed up in two lines while other errors still print;
+outside the checkout a command shows the real build folder and runs where it would be typed."""
 
 import sys
 from types import SimpleNamespace
 import time
 
+import pytest
 import torch
 
-from d2lpar.processes import checkpoint
+from d2lpar.processes import checkpoint, launcher_runs
 from d2lpar.processes.commands import leftovers, start
 from d2lpar.processes.launcher_runs import Runs, wait_all
 
@@ -56,3 +58,24 @@ def test_an_exit_barrier_error_is_summed_up(tmp_path, capsys):
     assert "frame #" not in out and "DistNetworkError" not in out
     runs.report([SimpleNamespace(seconds=1.0, lines=["x: RuntimeError: boom"])], "failed")
     assert "RuntimeError: boom" in capsys.readouterr().out  # other errors are still printed
+
+
+def test_outside_the_checkout_runs_print_the_real_build_folder_and_run_where_printed(
+        tmp_path, monkeypatch, capsys):
+    here, build = tmp_path / "student", tmp_path / "cache" / "d2lpar"
+    here.mkdir()
+    monkeypatch.chdir(here)  # a notebook copied alone into an empty folder, d2lpar installed
+    monkeypatch.setenv("D2LPAR_BUILD_DIR", str(build))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    runs = Runs(build / "nb")
+    out = runs.fresh("one")
+    typed = runs.command([PY, "-m", "torch.distributed.run", "-m", "d2lpar.examples.ddp_torch",
+                          "--out", out]).replace(" \\\n    ", " ")
+    assert typed == f"torchrun -m d2lpar.examples.ddp_torch --out {build}/nb/one"  # not build/nb
+    assert runs.shown(f"resumed from {build}/nb/one/last.pt") == \
+        f"resumed from {build}/nb/one/last.pt"
+    started = []
+    monkeypatch.setattr(launcher_runs, "start", lambda cmd, env, cwd: started.append(cwd) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        runs.train("here", [[PY, "-c", "pass", "--out", out]])
+    assert started == [here.resolve()]  # run from where the printed command is typed

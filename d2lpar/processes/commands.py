@@ -13,7 +13,11 @@ process group only, ``leftovers()`` and ``pids()`` return ``[]``, and each says 
 
 Output (stdout and stderr merged) is collected line by line while the command runs. ``text()`` gives it
 back with machine paths (the Python executable, the checkout, the temporary folder) replaced by short
-names, and ``pretty(cmd)`` prints a command the way a reader would type it.
+names, and ``pretty(cmd)`` prints a command the way a reader would type it in ``working_folder()``:
+the checkout's root when this process runs inside the checkout d2lpar comes from, else the current
+folder. A path in a printed command is real there: relative inside that folder, ``~/...`` inside the
+home folder, else absolute (``typed_path``); so a command the course runs from that folder is
+exactly the one it prints.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 __all__ = ["CommandFailed", "Running", "descendants", "free_port", "is_alive", "launcher_free_env",
-           "leftovers", "open_fds", "pretty", "run", "start", "REPO", "HAVE_PROC"]
+           "leftovers", "open_fds", "pretty", "run", "start", "REPO", "HAVE_PROC", "checkout",
+           "typed_path", "working_folder"]
 
 REPO = Path(__file__).resolve().parents[2]  # the folder that holds the d2lpar package
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
@@ -72,6 +77,56 @@ def launcher_free_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def checkout() -> Path | None:
+    """The repository checkout d2lpar is imported from (its pyproject.toml sits beside the
+    package), or None where d2lpar is installed (a wheel in site-packages)."""
+    return REPO if (REPO / "pyproject.toml").is_file() else None
+
+
+def working_folder() -> Path:
+    """Where the course's printed commands are typed and run: the checkout's root when the current
+    folder is inside the checkout d2lpar comes from (the README's commands are typed there, and
+    ``build/`` is there), else the current folder (a notebook copied anywhere)."""
+    here, root = Path.cwd().resolve(), checkout()
+    return root if root is not None and (here == root or root in here.parents) else here
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def typed_path(path: str | os.PathLike, folder: str | os.PathLike | None = None,
+               tilde: bool = True) -> str:
+    """``path`` as a reader types it in ``folder`` (``working_folder()`` by default): relative
+    inside ``folder``, ``~/...`` inside the home folder (with ``tilde``), else absolute. A
+    relative ``path`` is taken as relative to ``folder``."""
+    base = Path(folder).resolve() if folder is not None else working_folder()
+    full = (base / path).resolve()
+    if _inside(full, base):
+        return full.relative_to(base).as_posix() if full != base else "."
+    home = Path(os.path.expanduser("~")).resolve()
+    if tilde and home != Path(home.anchor) and _inside(full, home):
+        return "~" if full == home else "~/" + full.relative_to(home).as_posix()
+    return str(full)
+
+
+def _typed_word(word: str, folder: Path) -> str:
+    """One word of a command as typed in ``folder``, quoted for a POSIX shell."""
+    if word == sys.executable:
+        return "python"
+    if os.path.isabs(word) and Path(word).parent == Path(sys.executable).parent:
+        return shlex.quote(Path(word).name)  # a program of this Python's bin folder: on the PATH
+    if os.path.isabs(word):
+        typed = typed_path(word, folder)
+        if typed.startswith("~/"):  # unquoted: the shell expands ~ only there
+            return "~/" + shlex.quote(typed[2:])
+        return shlex.quote(typed)
+    key, eq, value = word.partition("=")
+    if eq and key.startswith("-") and os.path.isabs(value):  # --out=/a/b: no ~ after '='
+        return shlex.quote(f"{key}={typed_path(value, folder, tilde=False)}")
+    return shlex.quote(word)
+
+
 def _replacements() -> list[tuple[str, str]]:
     pairs = [(sys.executable, "python"), (str(Path(sys.executable).parent) + os.sep, ""),
              (str(REPO) + os.sep, ""), (str(REPO), "."),
@@ -91,12 +146,14 @@ def sanitize(text: str, cwd: str | os.PathLike | None = None) -> str:
 
 
 def pretty(cmd: Sequence[str], env: Mapping[str, str] | None = None, cwd=None) -> str:
-    """The command as a reader types it: ``torchrun`` for ``python -m torch.distributed.run``."""
-    words = [sanitize(str(w), cwd) for w in cmd]
+    """The command as a reader types it in ``cwd`` (``working_folder()`` by default): ``python``
+    for this Python, ``torchrun`` for ``python -m torch.distributed.run``, paths by ``typed_path``."""
+    folder = Path(cwd).resolve() if cwd is not None else working_folder()
+    words = [_typed_word(str(w), folder) for w in cmd]
     if words[:3] == ["python", "-m", "torch.distributed.run"]:
         words = ["torchrun"] + words[3:]
     prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items())
-    return (prefix + " " if prefix else "") + " ".join(shlex.quote(w) for w in words)
+    return (prefix + " " if prefix else "") + " ".join(words)
 
 
 def _tagged(*tags: str) -> list[int]:

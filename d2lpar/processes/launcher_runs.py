@@ -1,7 +1,9 @@
 """Launcher runs as a notebook shows them: start commands together, wait, keep what they left.
 
 A run is one or more launcher commands started at once (one per "node"), each printed the way a
-reader would type it. ``Runs.train`` waits for all of them; once one has failed the others get 2 s
+reader would type it in ``commands.working_folder()`` and run from there, so that what is printed is
+what ran (paths as ``commands.typed_path`` writes them: ``build/...`` in the checkout, the real
+folder elsewhere). ``Runs.train`` waits for all of them; once one has failed the others get 2 s
 (a torchrun agent whose peer node failed would wait minutes at its exit barrier) and are then
 stopped. It prints the lines that matter (rank 0's, warnings, errors) and the wall time beside the
 same training in the kernel, and keeps each run's log, time and final weights (``last.pt`` in the
@@ -20,7 +22,7 @@ from pathlib import Path
 
 from d2lpar.infra.paths import build_dir
 from d2lpar.processes import checkpoint
-from d2lpar.processes.commands import REPO, pretty, sanitize, start
+from d2lpar.processes.commands import pretty, sanitize, start, typed_path, working_folder
 
 KEEP = ("rank 0 of", "resumed", "rror", "FutureWarning")  # the lines of a log worth printing
 
@@ -30,6 +32,7 @@ class Runs:
 
     def __init__(self, workdir: Path):
         self.workdir, self.build = Path(workdir), str(build_dir())
+        self.folder = working_folder()  # where the commands are typed and run
         self.final_weights: dict = {}  # how it was launched -> the weights it ended with
         self.logs: dict = {}  # how it was launched -> what its processes printed
         self.seconds: dict = {}  # how it was launched -> wall time of the whole run
@@ -42,12 +45,14 @@ class Runs:
         return str(folder)
 
     def shown(self, text: str) -> str:
-        """Machine paths out (``commands.sanitize``), the build folder as build/ wherever it is."""
-        return sanitize(text.replace(self.build, "build"))
+        """Machine paths out (``commands.sanitize``), the build folder as typed in ``self.folder``."""
+        marker = "\0build\0"
+        text = sanitize(text.replace(self.build, marker))
+        return text.replace(marker, typed_path(self.build, self.folder))
 
     def command(self, cmd: list, env: dict | None = None) -> str:
         """As typed in a shell, folded into lines under 100 characters with backslashes."""
-        typed = pretty([str(word).replace(self.build, "build") for word in cmd], env=env)
+        typed = pretty([str(word) for word in cmd], env=env, cwd=self.folder)
         return " \\\n    ".join(textwrap.wrap(typed, 94, break_long_words=False,
                                                break_on_hyphens=False))
 
@@ -68,7 +73,7 @@ class Runs:
         envs = envs or [None] * len(commands)
         for cmd, extra in zip(commands, envs):
             print("$", self.command(cmd, env=extra))
-        jobs = [start(cmd, env=extra, cwd=REPO) for cmd, extra in zip(commands, envs)]
+        jobs = [start(cmd, env=extra, cwd=self.folder) for cmd, extra in zip(commands, envs)]
         print(f"    started {len(jobs)} command(s); waiting for them to end (at most {timeout} s)",
               flush=True)
         codes = wait_all(jobs, timeout)

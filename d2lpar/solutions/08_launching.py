@@ -23,10 +23,10 @@ from d2lpar.examples import ddp_torch
 from d2lpar.infra.check import check, check_equal
 from d2lpar.infra.paths import build_dir
 from d2lpar.processes import checkpoint, env
-from d2lpar.processes.commands import REPO, free_port, start
+from d2lpar.processes.commands import free_port, start, working_folder
 from d2lpar.processes.launch import RankFailed, launch
 
-SCRIPT = str(REPO / "d2lpar" / "examples" / "train_ddp.py")
+SCRIPT = ["-m", "d2lpar.examples.train_ddp"]  # runs wherever d2lpar is installed
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
@@ -55,10 +55,10 @@ def exercise_2():
     600 s by default for static rendezvous; ``--rdzv-conf timeout=N`` shortens it."""
     ports = [free_port(), free_port()]
     nodes = [[*TORCHRUN, "--nnodes=2", f"--node-rank={n}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
-              f"--master-port={ports[n]}", "--rdzv-conf=timeout=3", SCRIPT, "--train-size", "64",
+              f"--master-port={ports[n]}", "--rdzv-conf=timeout=3", *SCRIPT, "--train-size", "64",
               "--epochs", "1"] for n in range(2)]
     t0 = time.perf_counter()
-    jobs = [start(cmd, cwd=REPO) for cmd in nodes]
+    jobs = [start(cmd, cwd=working_folder()) for cmd in nodes]
     try:
         codes = [job.wait(120) for job in jobs]
     finally:
@@ -82,9 +82,9 @@ def exercise_3():
     cause (exitcode -9, SIGKILL); last.pt from the last finished epoch is left on disk."""
     folder = build_dir("solutions_08") / "restart_twice"
     shutil.rmtree(folder, ignore_errors=True)
-    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", SCRIPT,
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", *SCRIPT,
            "--train-size", "128", "--epochs", "3", "--batch-size", "32", "--ckpt-dir", str(folder)]
-    job = start(cmd, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, cwd=REPO)
+    job = start(cmd, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, cwd=working_folder())
     try:
         for round_ in ("0", "1"):
             if round_ == "0":
@@ -123,7 +123,7 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # restarts that work with torch 2.1
 srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" \\
     torchrun --nnodes="$SLURM_NNODES" --nproc-per-node=4 --max-restarts=3 \\
     --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:29400" --rdzv-id="$SLURM_JOB_ID" \\
-    d2lpar/examples/ddp_torch.py --out "$HOME/checkpoints/train-ddp" &
+    -m d2lpar.examples.ddp_torch --out "$HOME/checkpoints/train-ddp" &
 wait
 '''
     path = build_dir("solutions_08") / "ddp_torch_4x4.sbatch"

@@ -82,3 +82,86 @@ def test_a_tie_names_no_culprit_and_a_majority_does():
     assert found["seq"] == 2 and found["culprits"] == [] and "No majority" in found["text"]
     three = {**two, 2: ok + [entry(2, "gloo:all_reduce", 2)]}
     assert FR.first_disagreement(three)["culprits"] == [0]
+
+
+def _copy(three_ranks, folder) -> dict:
+    """The three real dumps copied into ``folder``; returns rank -> its dump (as written)."""
+    folder.mkdir(exist_ok=True)
+    dumps = {}
+    for f in sorted(three_ranks.glob("fr_*.json")):
+        shutil.copy(f, folder / f.name)
+        d = json.loads(f.read_text())
+        dumps[d["rank"]] = d
+    return dumps
+
+
+def _write(path, dump, age_s: float = 0.0):
+    path.write_text(json.dumps(dump))
+    if age_s:
+        import os
+        import time
+        os.utime(path, (time.time() - age_s, time.time() - age_s))
+
+
+def test_a_folder_reused_by_a_larger_run_names_the_stale_dump(three_ranks, tmp_path):
+    # yesterday's run on 4 ranks under the same run name left fr_3.json; today's ran on 3
+    dumps = _copy(three_ranks, tmp_path)
+    assert FR.first_disagreement(FR.read_dumps(tmp_path)) is not None
+    stale = dict(dumps[2], rank=3, world=4)
+    stale["entries"] = dumps[0]["entries"]
+    _write(tmp_path / "fr_3.json", stale, age_s=3600)
+    with pytest.raises(FR.FlightRecorderError, match=r"fr_3\.json .*older.*earlier run") as e:
+        FR.read_dumps(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("case,said", [
+    ("world 5 on rank 2", r"disagree on the world size.*fr_2\.json says 5"),
+    ("world 2 on rank 0", r"disagree on the world size.*fr_0\.json says 2"),
+    ("rank 7 of 3", r"fr_7\.json holds rank 7, but its world of 3 has ranks 0-2"),
+    ("rank 1 twice", r"fr_1\.json and fr_1b\.json both hold rank 1"),
+])
+def test_a_file_set_of_mixed_worlds_or_ranks_is_refused(three_ranks, tmp_path, case, said):
+    dumps = _copy(three_ranks, tmp_path)
+    if case == "world 5 on rank 2":
+        _write(tmp_path / "fr_2.json", dict(dumps[2], world=5))
+    elif case == "world 2 on rank 0":
+        _write(tmp_path / "fr_0.json", dict(dumps[0], world=2))
+    elif case == "rank 7 of 3":
+        _write(tmp_path / "fr_7.json", dict(dumps[2], rank=7))
+    else:
+        _write(tmp_path / "fr_1b.json", dumps[1])
+    with pytest.raises(FR.FlightRecorderError, match=said) as e:
+        FR.read_dumps(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("damage", ["empty", "cut", "binary", "a list", "no rank", "rank '1'",
+                                    "entries not a list", "seq null", "entry without op"])
+def test_a_damaged_dump_is_one_sentence_naming_the_file(three_ranks, tmp_path, damage):
+    dumps = _copy(three_ranks, tmp_path)
+    path, text = tmp_path / "fr_1.json", (tmp_path / "fr_1.json").read_text()
+    one = dumps[1]
+    if damage == "empty":
+        path.write_text("")
+    elif damage == "cut":
+        path.write_text(text[: len(text) // 2])
+    elif damage == "binary":
+        path.write_bytes(bytes(range(256)) * 4)
+    elif damage == "a list":
+        _write(path, [one])
+    elif damage == "no rank":
+        _write(path, {k: v for k, v in one.items() if k != "rank"})
+    elif damage == "rank '1'":
+        _write(path, dict(one, rank="1"))
+    elif damage == "entries not a list":
+        _write(path, dict(one, entries={"seq": 1}))
+    elif damage == "seq null":
+        _write(path, dict(one, entries=[dict(one["entries"][0], seq=None)] + one["entries"][1:]))
+    else:
+        _write(path, dict(one, entries=[{k: v for k, v in e.items() if k != "op"}
+                                        for e in one["entries"]]))
+    with pytest.raises(FR.FlightRecorderError, match=r"fr_1\.json") as e:
+        FR.read_dumps(tmp_path)
+    assert "\n" not in str(e.value) and str(e.value).count(": ") <= 3, str(e.value)
+    assert "dump" in str(e.value)

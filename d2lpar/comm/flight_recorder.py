@@ -32,7 +32,8 @@ __all__ = ["FlightRecorderError", "dump", "read_dumps", "first_disagreement", "t
 
 
 class FlightRecorderError(ValueError):
-    """The dumps cannot be compared (none, a rank missing, or from different runs)."""
+    """The dumps cannot be compared: none, a file that is not a whole dump, dumps of different runs
+    or world sizes, a rank out of range, twice or missing."""
 
 
 def dump(folder: str | Path, run: str) -> Path:
@@ -69,24 +70,108 @@ def _where(frames) -> str:
 
 
 def read_dumps(folder: str | Path) -> dict[int, list[dict]]:
-    """rank -> its collectives, after checking that the folder holds one dump per rank of one run."""
+    """rank -> its collectives, after checking that the folder holds one dump per rank of one run:
+    every file a whole dump (``_load``), one run id, one world size, every rank below it, none
+    twice, none missing. A folder reused by an earlier run with more ranks keeps that run's extra
+    files: they are named, never read as ranks of this one."""
     folder = Path(folder)
     files = sorted(folder.glob("fr_*.json")) if folder.is_dir() else []
     if not files:
         raise FlightRecorderError(f"{folder} holds no flight-recorder dumps (fr_<rank>.json): set "
                                   "TORCH_FR_BUFFER_SIZE before init_process_group and call dump() in every rank")
-    dumps = [json.loads(f.read_text()) for f in files]
-    runs = {d["run"] for d in dumps}
+    dumps = {f: _load(f) for f in files}
+    runs = {d["run"] for d in dumps.values()}
     if len(runs) > 1:
-        by_run = {r: sorted(d["rank"] for d in dumps if d["run"] == r) for r in runs}
+        by_run = {r: sorted(d["rank"] for d in dumps.values() if d["run"] == r) for r in runs}
         raise FlightRecorderError(f"{folder} mixes dumps of {len(runs)} runs ({'; '.join(f'{r}: ranks {v}' for r, v in sorted(by_run.items()))}): "
                                   "compare the dumps of one run; clear the folder before each run")
-    world = dumps[0]["world"]
-    missing = sorted(set(range(world)) - {d["rank"] for d in dumps})
+    by_world: dict[int, list[Path]] = {}
+    for f, d in dumps.items():
+        by_world.setdefault(d["world"], []).append(f)
+    if len(by_world) > 1:
+        said = "; ".join(f"{_names(fs)} say{'s' * (len(fs) == 1)} {w}"
+                         for w, fs in sorted(by_world.items()))
+        raise FlightRecorderError(f"{folder}: the dumps disagree on the world size ({said})"
+                                  f"{_stale(dumps, by_world)}, or clear the folder before each run")
+    world = next(iter(by_world))
+    holder: dict[int, Path] = {}
+    for f, d in dumps.items():
+        if not 0 <= d["rank"] < world:
+            raise FlightRecorderError(f"{f} holds rank {d['rank']}, but its world of {world} has "
+                                      f"ranks 0-{world - 1}: it is not from this run; delete it, or "
+                                      "clear the folder before each run")
+        if d["rank"] in holder:
+            raise FlightRecorderError(f"{holder[d['rank']].name} and {f.name} both hold rank "
+                                      f"{d['rank']}'s dump in {folder}: keep the one from the run "
+                                      "you mean, or clear the folder before each run")
+        holder[d["rank"]] = f
+    missing = sorted(set(range(world)) - set(holder))
     if missing:
         raise FlightRecorderError(f"{folder} has no dump from rank(s) {missing} of {world}: that rank "
                                   "died or never dumped; its own log (or a py-spy dump of it) says where it was")
-    return {d["rank"]: d["entries"] for d in dumps}
+    return {d["rank"]: d["entries"] for d in dumps.values()}
+
+
+def _names(files) -> str:
+    return ", ".join(f.name for f in sorted(files))
+
+
+def _stale(dumps: dict[Path, dict], by_world: dict[int, list[Path]]) -> str:
+    """When the newest files make a whole run (ranks 0..w-1 of their world w, each once) and every
+    other file is older: the clause that names those older files as an earlier run's leftovers."""
+    newest = max(by_world, key=lambda w: min(f.stat().st_mtime for f in by_world[w]))
+    mine = by_world[newest]
+    others = [f for w, fs in by_world.items() if w != newest for f in fs]
+    whole = sorted(dumps[f]["rank"] for f in mine) == list(range(newest))
+    if not whole or max(f.stat().st_mtime for f in others) >= min(f.stat().st_mtime for f in mine):
+        return ": they come from different runs; compare the dumps of one run"
+    return (f": {_names(others)} {'is' if len(others) == 1 else 'are'} older than the {len(mine)} "
+            f"dumps of a world of {newest}, left by an earlier run in this folder; delete "
+            f"{'it' if len(others) == 1 else 'them'}")
+
+
+_FIELDS = {"run": str, "rank": int, "world": int, "entries": list}
+_ENTRY = ("seq", "op", "sizes", "dtypes", "where")
+
+
+def _load(path: Path) -> dict:
+    """One dump, checked: a JSON object with a run id, a rank, a world size (at least 1) and a list
+    of entries, each with a whole ``seq`` and an ``op``, ``sizes``, ``dtypes`` and ``where``. A file
+    that is anything else is one sentence naming it."""
+    redo = "delete it, or run again so that its rank dumps it anew"
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise FlightRecorderError(f"{path} is not text (binary or damaged), so not a dump: "
+                                  f"{redo}") from None
+    if not text.strip():
+        raise FlightRecorderError(f"{path} is empty (its rank stopped while it was written?): "
+                                  f"{redo}")
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise FlightRecorderError(f"{path} is cut short or damaged ({e.msg}, at character "
+                                  f"{e.pos}), so not a whole dump: {redo}") from None
+    if not isinstance(d, dict):
+        raise FlightRecorderError(f"{path} holds a JSON {type(d).__name__}, not a dump (an object "
+                                  f"of run, rank, world and entries): {redo}")
+    for key, kind in _FIELDS.items():
+        if key not in d:
+            raise FlightRecorderError(f"{path} has no {key!r}, so it is not a dump written by "
+                                      f"dump(): {redo}")
+        wrong = not isinstance(d[key], kind) or isinstance(d[key], bool)
+        if wrong or (key == "world" and d[key] < 1):
+            raise FlightRecorderError(f"{path} has {key} = {d[key]!r:.40}, not a "
+                                      f"{'positive ' * (key == 'world')}{kind.__name__}: {redo}")
+    for i, e in enumerate(d["entries"]):
+        lacks = [k for k in _ENTRY if k not in e] if isinstance(e, dict) else list(_ENTRY)
+        if lacks:
+            raise FlightRecorderError(f"{path} has an entry (number {i}) without "
+                                      f"{', '.join(lacks)}: {redo}")
+        if not isinstance(e["seq"], int) or isinstance(e["seq"], bool) or e["seq"] < 0:
+            raise FlightRecorderError(f"{path} has an entry (number {i}) whose seq is "
+                                      f"{e['seq']!r:.20}, not a whole number: {redo}")
+    return d
 
 
 def first_disagreement(dumps: dict[int, list[dict]]) -> dict | None:

@@ -143,8 +143,8 @@ def test_bad_layouts_are_one_sentence():
         check_3d(model, (1, 1, 3), 8, 1)
     with pytest.raises(ValueError, match="pipeline degree 5 is more than the model's 4 layers"):
         check_3d(model, (1, 5, 1), 8, 1)
-    with pytest.raises(ValueError, match="global batch of 6 does not give each of dp=4 ranks"):
-        check_3d(model, (4, 1, 1), 6, 1)
+    with pytest.raises(ValueError, match="a batch of 6 rows gives dp=4 ranks fewer than 2 micro"):
+        check_3d(model, (4, 1, 1), 6, 2)
     with pytest.raises(threed_torch.Usage, match=r"--dp 2 x --tp 1 x --pp 1 = 2, but 1 process"):
         threed_torch.main(["--dp", "2"])
     with pytest.raises(ValueError, match="characters \\['#'\\] are not in the corpus"):
@@ -173,3 +173,43 @@ def test_the_simulated_devices_flops_are_the_planners():
     from d2lpar.strategies.threed.hand import forward_flops
     layer = char_gpt(CORPUS.vocab, 16, layers=1, d=32, heads=4)[1]
     assert forward_flops(layer, 2, torch.zeros(3, 16, 32)) == layer_flops(3, 16, 32, 128) / 2
+
+
+# A DataLoader's batches differ in size. Each batch is cut by its own rows (not the first batch's)
+# and each dp rank's mean is weighted by its rows, so that every step equals one device: a later
+# batch of 12 on dp=3 loses no rows, a batch of 7 splits 3, 2, 2; with pp=3 a shorter batch's
+# activations travel in buffers of its own size. Two 3-rank runs, about 2 s.
+@pytest.mark.parametrize("dp,pp,rows", [(3, 1, (9, 12, 7)), (1, 3, (8, 5))])
+def test_batches_of_other_sizes_equal_one_device(dp, pp, rows):
+    B = [b for n in rows for b in batches(CORPUS.ids, n, 8, 1, seed=n)]
+    model = char_gpt(CORPUS.vocab, 8, layers=1, d=16, heads=2)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    one = char_gpt(CORPUS.vocab, 8, layers=1, d=16, heads=2)
+    losses = train_one_device(one, B)
+    r = run_3d(model, B, dp=dp, tp=1, pp=pp, microbatches=2)
+    assert r.losses == pytest.approx(losses, abs=1e-5)
+    _moved_and_equal(r.state, one.state_dict(), start)
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Fails the test if run_3d starts any rank: bad batches must be caught in the caller."""
+    import d2lpar.strategies.threed.hand as hand
+
+    def refuse(*a, **k):
+        raise AssertionError("a rank was launched: the error should come before any rank starts")
+    monkeypatch.setattr(hand, "launch", refuse)
+
+
+def test_every_batch_is_checked_before_any_rank_starts(no_launch):
+    model = char_gpt(CORPUS.vocab, 8, layers=1, d=16, heads=2)
+    good = batches(CORPUS.ids, 6, 8, 1)
+    with pytest.raises(ValueError, match=r"batch 1: a batch of 5 rows gives dp=3 ranks fewer than "
+                                         r"2 micro-batches each: use batches of at least 6 rows"):
+        run_3d(model, good + batches(CORPUS.ids, 5, 8, 1), dp=3, tp=1, pp=1, microbatches=2)
+    with pytest.raises(ValueError, match=r"batch 1: .*a sequence of 9 tokens is longer than"):
+        run_3d(model, good + batches(CORPUS.ids, 6, 9, 1), dp=1, tp=1, pp=3, microbatches=2)
+    X, Y = good[0]
+    with pytest.raises(ValueError, match=r"batch 0 has inputs of shape \(6, 8\) and targets of "
+                                         r"shape \(5, 8\)"):
+        run_3d(model, [(X, Y[:5])], dp=3, tp=1, pp=1, microbatches=2)

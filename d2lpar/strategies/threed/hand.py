@@ -4,7 +4,8 @@ The world's ranks form a grid ``arange(world).view(dp, pp, tp)`` (``sharded.mesh
 parallelism innermost, on neighbouring ranks (the fast links of one node); each rank has three
 groups, the lines of the grid through it. One training step, on every rank:
 
-1. **data**: the rank takes the rows of the global batch of its dp coordinate;
+1. **data**: the rank takes the rows of the global batch of its dp coordinate (each batch cut by
+   its own size, ``chunk_bounds``: a batch of 7 on dp=3 gives 3, 2 and 2 rows);
 2. **pipeline**: it runs stage ``pp coordinate`` of the model (``split_model``) in the 1F1B schedule
    of notebook 11 (``run_schedule``), sending activations and gradients to the ranks of its pp group;
 3. **tensor**: inside the stage, each transformer layer is Megatron's (notebook 12), cut over the tp
@@ -12,6 +13,9 @@ groups, the lines of the grid through it. One training step, on every rank:
    they see the same input and the same gradient, so their gradients agree without a message;
 4. **data again**: after the schedule, the gradients are averaged over the dp group in one flat
    all-reduce (notebook 05's rule: average, then step), and each rank steps AdamW on what it holds.
+   A rank's gradient is the mean over its n_r of the batch's B rows, so it is first scaled by
+   n_r dp / B: the average is then sum_r (n_r / B) g_r, the whole batch's mean (1 when the rows
+   split evenly).
 
 The first step's gradients, averaged and before the optimizer, come back whole (``grads``): AdamW's
 update m / (sqrt(v) + eps) barely changes when every gradient is scaled by the same factor, so
@@ -46,8 +50,8 @@ from d2lpar.strategies.tensor.blocks import ParallelTransformerLayer, Transforme
 from d2lpar.strategies.tensor.mappings import count_comms
 from d2lpar.strategies.threed.gpt import Head, gpt_sizes, next_char_loss
 
-__all__ = ["check_3d", "parallel_stage", "average_gradients", "run_3d", "ThreeDResult", "forward_flops",
-           "time_layouts"]
+__all__ = ["check_3d", "batch_shapes", "parallel_stage", "average_gradients", "run_3d",
+           "ThreeDResult", "forward_flops", "time_layouts"]
 
 
 def check_3d(model: nn.Sequential, shape: tuple[int, int, int], batch: int, microbatches: int) -> None:
@@ -63,10 +67,35 @@ def check_3d(model: nn.Sequential, shape: tuple[int, int, int], batch: int, micr
     if pp > size["layers"] + 2:
         raise ValueError(f"pipeline degree {pp} is more than the model's {size['layers'] + 2} layers "
                          f"(embedding, {size['layers']} transformer layers, head): use pp <= {size['layers'] + 2}")
-    if batch % dp or batch // dp < microbatches:
-        raise ValueError(f"a global batch of {batch} does not give each of dp={dp} ranks "
-                         f"{microbatches} micro-batches: use a batch that is a multiple of {dp} "
-                         f"and at least {dp * microbatches}")
+    if batch < dp * microbatches:
+        raise ValueError(f"a batch of {batch} rows gives dp={dp} ranks fewer than {microbatches} "
+                         f"micro-batches each: use batches of at least {dp * microbatches} rows "
+                         f"(or fewer micro-batches)")
+
+
+def batch_shapes(model: nn.Sequential, shape: tuple[int, int, int], batches,
+                 microbatches: int) -> list[list[list[tuple]]]:
+    """Check every batch, in the caller, before any rank starts; per batch and dp coordinate, the
+    pipeline's message shapes (``check_stages`` on that rank's rows: a later batch may be shorter
+    or longer than the first, and its messages must be sized from it)."""
+    dp, pp, _ = shape
+    stages, seen, out = split_model(model, pp), {}, []
+    for i, (X, Y) in enumerate(batches):
+        if X.shape != Y.shape:
+            raise ValueError(f"batch {i} has inputs of shape {tuple(X.shape)} and targets of shape "
+                             f"{tuple(Y.shape)}: give each token its next token (Y shaped as X)")
+        try:
+            check_3d(model, shape, len(X), microbatches)
+            per_rank = []
+            for lo, hi in chunk_bounds(len(X), dp):
+                key = (hi - lo, tuple(X.shape[1:]), X.dtype)
+                if key not in seen:
+                    seen[key] = check_stages(stages, X[lo:hi], microbatches)
+                per_rank.append(seen[key])
+        except ValueError as e:
+            raise ValueError(f"batch {i}: {e}") from None
+        out.append(per_rank)
+    return out
 
 
 def forward_flops(layer: nn.Module, tp: int, x: torch.Tensor) -> float:
@@ -125,26 +154,32 @@ def _rename(part: dict, lo: int, busy: bool) -> dict:
     return out
 
 
-def _worker(model, shape, batches, lr, microbatches, rate, warmup, gather, average=average_gradients):
+def _worker(model, shape, batches, shapes, lr, microbatches, rate, warmup, gather,
+            average=average_gradients):
     dp, pp, tp = shape
     mesh = Mesh((dp, pp, tp), ("dp", "pp", "tp"))
     di, pi, ti = mesh.coords
-    full_stages = split_model(model, pp)
-    stage = parallel_stage(full_stages[pi], mesh.group("tp"), rate)
+    stage = parallel_stage(split_model(model, pp)[pi], mesh.group("tp"), rate)
     schedule = one_f_one_b(pp, microbatches)
     opt = torch.optim.AdamW(stage.parameters(), lr=lr)
-    per = len(batches[0][0]) // dp
-    rows = [(X[di * per:(di + 1) * per], Y[di * per:(di + 1) * per]) for X, Y in batches]
-    shapes = check_stages(full_stages, rows[0][0], microbatches)
+    rows = []   # this rank's rows of each batch, their message shapes, their weight n_r dp / B
+    for (X, Y), per_rank in zip(batches, shapes):
+        a, b = chunk_bounds(len(X), dp)[di]
+        rows.append((X[a:b], Y[a:b], per_rank[di], (b - a) * dp / len(X)))
     lo, _ = split_layers(len(model), pp)[pi]
     losses, steps, grads = [], [], None
-    for step, (X, Y) in enumerate([rows[0]] * warmup + rows):
+    for step, (X, Y, mb_shapes, weight) in enumerate([rows[0]] * warmup + rows):
         opt.zero_grad(set_to_none=True)
         dist.barrier()   # every rank starts the step together
         t0 = time.perf_counter()
         with count_comms() as log:
-            out = run_schedule(schedule, {pi: stage}, X, Y, next_char_loss, shapes, ranks=mesh.ranks("pp"))
+            out = run_schedule(schedule, {pi: stage}, X, Y, next_char_loss, mb_shapes,
+                               ranks=mesh.ranks("pp"))
         t1 = time.perf_counter()
+        if weight != 1:   # fewer or more rows than the others: weigh its mean by its rows
+            for p in stage.parameters():
+                if p.grad is not None:
+                    p.grad *= weight
         sent = average(stage, mesh.group("dp"))
         if gather and step == warmup:   # the first step's averaged gradients, before AdamW sees them
             grads = _rename(gather_full(stage, grads=True, group=mesh.group("tp")), lo, bool(rate))
@@ -188,9 +223,9 @@ def run_3d(model: nn.Sequential, batches, dp: int = 2, tp: int = 2, pp: int = 2,
     batches, shape = list(batches), (dp, pp, tp)
     if not batches:
         raise ValueError("run_3d got no batches: give a list of (X, Y) pairs")
-    check_3d(model, shape, len(batches[0][0]), microbatches)
-    results = launch(_worker, math.prod(shape), model, tuple(shape), batches, lr, microbatches, rate,
-                     warmup, gather, average, timeout=timeout)
+    shapes = batch_shapes(model, shape, batches, microbatches)   # every batch, before any rank
+    results = launch(_worker, math.prod(shape), model, tuple(shape), batches, shapes, lr,
+                     microbatches, rate, warmup, gather, average, timeout=timeout)
     state, grads = {}, {}
     for r in results:
         if r["keep"]:
@@ -198,10 +233,12 @@ def run_3d(model: nn.Sequential, batches, dp: int = 2, tp: int = 2, pp: int = 2,
             grads.update(r["grads"] or {})
     copies_differ = max((float((v - state[k]).abs().max()) for r in results
                          for k, v in (r["state"] or {}).items()), default=None)
-    last_pp = [r for r in results if r["coords"][1] == shape[1] - 1]
-    dp = shape[0]
-    losses = [sum(r["losses"][k] for r in last_pp if r["coords"][2] == 0) / dp
-              for k in range(len(batches))]
+    last_pp = [r for r in results if r["coords"][1] == shape[1] - 1 and r["coords"][2] == 0]
+    losses = []   # each dp rank's mean loss, weighted by its share of the batch's rows
+    for k, (X, _) in enumerate(batches):
+        bounds = chunk_bounds(len(X), shape[0])
+        losses.append(sum(r["losses"][k] * (bounds[r["coords"][0]][1] - bounds[r["coords"][0]][0])
+                          for r in last_pp) / len(X))
     spans = []
     for rank, r in enumerate(results):
         last = r["steps"][-1]
@@ -215,10 +252,10 @@ def run_3d(model: nn.Sequential, batches, dp: int = 2, tp: int = 2, pp: int = 2,
                         copies_differ)
 
 
-def _layouts_worker(model, shapes, batches, microbatches, rate, warmup):
+def _layouts_worker(model, shapes, batches, sizes, microbatches, rate, warmup):
     return [[(st["start"], st["end"]) for st in
-             _worker(model, shape, batches, 0.0, microbatches, rate, warmup, False)["steps"]]
-            for shape in shapes]
+             _worker(model, shape, batches, size, 0.0, microbatches, rate, warmup, False)["steps"]]
+            for shape, size in zip(shapes, sizes)]
 
 
 def time_layouts(model: nn.Sequential, batches, layouts, microbatches: int = 4, rate: float = 2e9,
@@ -226,16 +263,16 @@ def time_layouts(model: nn.Sequential, batches, layouts, microbatches: int = 4, 
     """Seconds per step of each (dp, tp, pp) layout on simulated devices of ``rate`` FLOP/s, all in
     one launch of 8 ranks (one Mesh per layout): per layout, the median over the steps of the slowest
     rank's time from the barrier to the optimizer step."""
-    world = math.prod(layouts[0])
-    shapes = []
+    world, batches = math.prod(layouts[0]), list(batches)
+    shapes, sizes = [], []
     for dp, tp, pp in layouts:
         if dp * tp * pp != world:
             raise ValueError(f"layout dp {dp} x tp {tp} x pp {pp} is not {world} ranks: give layouts "
                              f"of the same world size")
-        check_3d(model, (dp, pp, tp), len(batches[0][0]), microbatches)
         shapes.append((dp, pp, tp))
-    results = launch(_layouts_worker, world, model, shapes, list(batches), microbatches, rate, warmup,
-                     timeout=timeout)
+        sizes.append(batch_shapes(model, shapes[-1], batches, microbatches))
+    results = launch(_layouts_worker, world, model, shapes, batches, sizes, microbatches, rate,
+                     warmup, timeout=timeout)
     times = []
     for k in range(len(shapes)):   # per step: the last rank's end minus the first rank's start
         per_step = sorted(max(r[k][i][1] for r in results) - min(r[k][i][0] for r in results)

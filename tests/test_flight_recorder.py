@@ -73,6 +73,23 @@ def test_the_torch_only_script_dumps_what_torchs_analyzer_reads(tmp_path, monkey
     assert "Rank 1 failed to pass monitoredBarrier" in checked[0]
 
 
+def test_the_debug_scripts_bad_input_is_one_sentence_before_any_group(tmp_path, monkeypatch):
+    from tests.torch_only import LAUNCH_VARS, load_copy
+    from d2lpar.processes.commands import REPO, free_port
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    names = load_copy(REPO / "d2lpar" / "examples" / "debug_torch.py", tmp_path, monkeypatch)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(names["Usage"], match="^MASTER_ADDR, MASTER_PORT not set: start with torchrun"):
+        names["main"]([])
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port("127.0.0.1")))
+    (tmp_path / "a_file").write_text("in the way")
+    with pytest.raises(names["Usage"], match=r"^cannot write to --dump .*a_file/fr \(Not a directory\): "):
+        names["main"](["--dump", str(tmp_path / "a_file" / "fr")])   # checked before training
+
+
 def test_a_tie_names_no_culprit_and_a_majority_does():
     def entry(seq, op, line):
         return {"seq": seq, "op": op, "sizes": [], "dtypes": [], "state": "", "where": f"x.py line {line}"}

@@ -22,6 +22,7 @@ import faulthandler
 import os
 import pickle
 import signal
+import tempfile
 from datetime import timedelta
 
 os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")   # before the process group exists
@@ -66,6 +67,14 @@ def main(argv=None) -> str:
         raise Usage(f"--timeout {args.timeout}: give the seconds a collective may wait, above 0")
     if "RANK" not in os.environ:
         raise Usage("start with torchrun (it sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)")
+    if missing := [v for v in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]:
+        raise Usage(f"{', '.join(missing)} not set: start with torchrun, which sets them with RANK")
+    try:  # now, not at the timeout the dump is for
+        if args.dump:
+            os.makedirs(args.dump, exist_ok=True)
+            tempfile.TemporaryFile(dir=args.dump).close()
+    except OSError as e:
+        raise Usage(f"cannot write to --dump {args.dump} ({e.strerror}): give a folder you can write")
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     rank, outcome = dist.get_rank(), "finished"
     try:

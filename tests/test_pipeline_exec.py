@@ -212,3 +212,35 @@ def test_each_rank_records_the_peak_of_its_stages_together():
     assert res.rank_peak_bytes == walked
     assert all(r >= max(res.peak_bytes[st] for st in s.stages_of(i))
                for i, r in enumerate(res.rank_peak_bytes))
+
+
+def test_a_first_stage_without_parameters_and_a_pipeline_without_any_equal_one_process():
+    """Stage 0's output needs no gradient when it has no parameters (its input is the batch): its
+    backward has nothing to do. Two 3-rank runs, 1F1B and ZB-H1, about 1 s."""
+    torch.manual_seed(5)
+    X, y = torch.randn(9, 6), torch.randn(9, 2)
+    ref = nn.Sequential(nn.Tanh(), nn.Linear(6, 4), nn.Linear(4, 2))
+    start = [q.detach().clone() for q in ref.parameters()]
+    res = run_pipeline(P.one_f_one_b(3, 3), list(ref), [(X, y), (X[:5], y[:5])],
+                       loss_fn=nn.functional.mse_loss, lr=0.1)
+    opt, losses = torch.optim.SGD(ref.parameters(), lr=0.1), []
+    for Xb, yb in [(X, y), (X[:5], y[:5])]:
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(ref(Xb), yb)
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+    assert not torch.equal(start[0], ref[1].weight)
+    torch.testing.assert_close(res.losses, losses, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(res.params[1]["weight"], ref[1].weight.detach(), rtol=1e-5, atol=1e-7)
+    free = [nn.ReLU(), nn.Tanh(), nn.Sigmoid()]        # no parameters anywhere: a loss, no step
+    res = run_pipeline(P.zb_h1(3, 3), free, [(X, X.flip(0))], loss_fn=nn.functional.mse_loss)
+    assert res.losses == pytest.approx([nn.functional.mse_loss(nn.Sequential(*free)(X), X.flip(0)).item()])
+
+
+def test_targets_that_do_not_fit_the_inputs_are_named_before_any_rank_starts(no_launch):
+    stages = [nn.Linear(6, 6), nn.Linear(6, 2)]
+    with pytest.raises(ValueError, match=r"batch 1 has 8 inputs but 6 targets: give one target "
+                                         r"per input"):
+        run_pipeline(P.gpipe(2, 2), stages, [(torch.randn(8, 6), torch.arange(8) % 2),
+                                            (torch.randn(8, 6), torch.arange(6) % 2)])

@@ -194,7 +194,8 @@ class _Stage:
         saved = self.saved[mb]
         if not self.split:
             out = saved.pop("out")
-            (out if grad is None else _dot([out], [grad])).backward()
+            if out.requires_grad:   # not when nothing before it has a parameter: nothing to do
+                (out if grad is None else _dot([out], [grad])).backward()
             del self.saved[mb]
             return saved["x"].grad
         if kind == "I":
@@ -372,10 +373,14 @@ class PipelineResult:
 
 def _shapes_per_batch(stages, batches, microbatches: int) -> list[list[list[tuple]]]:
     """``check_stages`` for every batch: a DataLoader's last batch is often shorter, and each batch's
-    messages must be received into buffers of that batch's sizes (checked once per input shape)."""
+    messages must be received into buffers of that batch's sizes (checked once per input shape);
+    each batch's targets must be as many as its inputs."""
     seen: dict[tuple, list[list[tuple]]] = {}
     out = []
-    for i, (X, _) in enumerate(batches):
+    for i, (X, y) in enumerate(batches):
+        if len(y) != len(X):
+            raise ValueError(f"batch {i} has {len(X)} inputs but {len(y)} targets: give one target "
+                             f"per input")
         key = (tuple(X.shape), X.dtype)
         if key not in seen:
             try:

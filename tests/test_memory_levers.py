@@ -173,3 +173,61 @@ def test_fp8_rowwise_scales_confine_an_outlier_and_the_fallback_gives_the_same_v
     again = fp8.fp8_matmul(a, w, rowwise=True)
     assert fp8.last_kernel.startswith("dequantised")
     assert torch.equal(again, row)
+
+
+def _bn_stack(mode):
+    torch.manual_seed(3)
+    return CheckpointedStack([nn.Sequential(nn.Linear(5, 5), nn.BatchNorm1d(5), nn.Tanh())
+                              for _ in range(3)], mode)
+
+
+def test_checkpointing_updates_batchnorms_running_statistics_once_as_the_plain_model_does():
+    """Recomputation runs BatchNorm's forward again; the stack restores its running statistics
+    after it, so they (and num_batches_tracked) equal the plain model's. Under 0.1 s."""
+    x = torch.randn(7, 5, generator=torch.Generator().manual_seed(4))
+    runs = {}
+    for mode in ("none", "full", "selective"):
+        m = _bn_stack(mode)
+        before = {k: v.clone() for k, v in m.state_dict().items()}
+        for _ in range(2):
+            m(x).square().sum().backward()
+        runs[mode] = m.state_dict(), [p.grad for p in m.parameters()]
+    assert not torch.equal(before["layers.0.1.running_mean"], runs["none"][0]["layers.0.1.running_mean"])
+    for mode in ("full", "selective"):
+        for k, v in runs["none"][0].items():
+            assert torch.equal(runs[mode][0][k], v), (mode, k)
+        assert all(torch.equal(a, b) for a, b in zip(runs[mode][1], runs["none"][1])), mode
+
+
+def test_selective_checkpointing_refuses_an_in_place_layer_in_one_sentence():
+    with pytest.raises(ValueError, match=r"selective checkpointing keeps the outputs of the ops it "
+                                         r"saves, and layers.0.1 \(ReLU\(inplace=True\)\) changes "
+                                         r"its input in place .*: use inplace=False, or mode='full'"):
+        CheckpointedStack([nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True))], "selective")
+    CheckpointedStack([nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True))], "full")
+
+
+def test_fp8_refuses_an_operand_that_is_not_finite_in_one_sentence():
+    """One inf or nan gives a per-tensor scale of inf or nan, and every output nan (fp32 keeps it
+    to a row); an inf below 448 x scale saturates to a finite number. So it is refused."""
+    a, b = torch.randn(16, 32), torch.randn(32, 16)
+    a[3, 2] = float("inf")
+    assert (a @ b)[~torch.isfinite((a @ b).sum(1))].shape[0] == 1   # fp32: row 3 only
+    for kw in ({}, {"rowwise": True}, {"scaled": False}):
+        with pytest.raises(ValueError, match=r"a has 1 entry that is inf or nan \(the first at "
+                                             r"\(3, 2\)\): fp8 cannot carry it"):
+            fp8.fp8_matmul(a, b, **kw)
+    b[0, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"b has 1 entry that is inf or nan \(the first at \(0, 5\)\)"):
+        fp8.fp8_matmul(torch.randn(16, 32), b)
+
+
+def test_a_mixed_precision_step_without_gradients_is_one_sentence():
+    for fp32_grads in (False, True):
+        opt = MixedPrecisionAdamW(nn.Linear(4, 4), fp32_grads=fp32_grads)
+        with pytest.raises(ValueError, match=r"step\(\) found no gradient: call loss.backward\(\)"):
+            opt.step()
+        opt.model(torch.ones(2, 4, dtype=torch.bfloat16)).sum().backward()
+        if fp32_grads:
+            opt.accumulate()
+        opt.step()   # with a backward, it steps

@@ -16,10 +16,18 @@ saving, and backpropagates through that. Three ways to use it on a stack of L la
 
 The gradients are the same in all three: recomputation repeats the same operations on the same
 inputs (bitwise on the CPU; a GPU's non-deterministic kernels may differ in the last bits).
+
+**Running statistics.** torch's checkpoint recomputes by running the forward again, and a
+BatchNorm in training mode updates its running mean and variance (and ``num_batches_tracked``) on
+every forward: recomputed, it would update them twice per step. ``CheckpointedStack`` runs each
+recomputation in a context that puts those buffers back as they were when it began, so they equal
+the plain model's. Selective checkpointing keeps the matmuls' outputs for the backward, so a layer
+that changes its input in place (``ReLU(inplace=True)``) would change a kept tensor: refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -27,7 +35,7 @@ from torch import nn
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
-__all__ = ["MATMULS", "save_ops_policy", "CheckpointedStack"]
+__all__ = ["MATMULS", "save_ops_policy", "running_stats", "KeepRunningStats", "CheckpointedStack"]
 
 # What "save the matmuls" saves: the linear layers' products (a Linear on a 3-D input is an addmm
 # or mm on its 2-D view). The attention's batched products (bmm) are recomputed.
@@ -52,6 +60,33 @@ def save_ops_policy(ops):
     return policy
 
 
+def running_stats(module: nn.Module) -> list[torch.Tensor]:
+    """The buffers a forward in training mode updates: BatchNorm's (and InstanceNorm's, with
+    ``track_running_stats``) running mean, variance and batch count."""
+    return [t for m in module.modules() if m.training and getattr(m, "track_running_stats", False)
+            for t in (m.running_mean, m.running_var, m.num_batches_tracked) if t is not None]
+
+
+class KeepRunningStats:
+    """The recomputation's context: on exit, the running statistics of ``module`` are put back as
+    they were on entry (around ``inner``, selective checkpointing's own context)."""
+
+    def __init__(self, module: nn.Module, inner=None):
+        self.module, self.inner = module, inner or contextlib.nullcontext()
+
+    def __enter__(self):
+        self.saved = [(t, t.clone()) for t in running_stats(self.module)]
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return self.inner.__exit__(*exc)
+        finally:
+            with torch.no_grad():
+                for t, before in self.saved:
+                    t.copy_(before)
+
+
 class CheckpointedStack(nn.Module):
     """Run ``layers`` one after the other, checkpointed by ``mode``: 'none', 'full' (segments of
     ``every`` layers) or 'selective' (each layer, saving the outputs of ``save_ops``)."""
@@ -64,6 +99,17 @@ class CheckpointedStack(nn.Module):
             raise ValueError(f"every={every!r}: checkpoint segments of at least 1 layer")
         self.layers, self.mode, self.every = nn.ModuleList(layers), mode, every
         self.policy = save_ops_policy(save_ops) if mode == "selective" else None
+        for name, m in self.named_modules() if mode == "selective" else ():
+            if getattr(m, "inplace", False) is True:
+                raise ValueError(f"selective checkpointing keeps the outputs of the ops it saves, "
+                                 f"and {name} ({m}) changes its input in place (torch then stops "
+                                 f"the backward): use inplace=False, or mode='full'")
+
+    def _contexts(self, modules, selective: bool):
+        """checkpoint's context_fn: the forward's and the recomputation's contexts."""
+        forward, recompute = (create_selective_checkpoint_contexts(self.policy) if selective
+                              else (contextlib.nullcontext(), None))
+        return forward, KeepRunningStats(modules, recompute)
 
     def _segment(self, start: int, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers[start:start + self.every]:
@@ -76,10 +122,11 @@ class CheckpointedStack(nn.Module):
                 functools.reduce(lambda h, layer: layer(h), self.layers, x)
         if self.mode == "full":
             for start in range(0, len(self.layers), self.every):
-                x = checkpoint(self._segment, start, x, use_reentrant=False)
+                segment = self.layers[start:start + self.every]
+                x = checkpoint(self._segment, start, x, use_reentrant=False,
+                               context_fn=functools.partial(self._contexts, segment, False))
             return x
-        context = functools.partial(create_selective_checkpoint_contexts, self.policy)
         for layer in self.layers:
-            x = checkpoint(layer, x, use_reentrant=False, context_fn=context,
-                           respect_saved_tensors_hooks=True)
+            x = checkpoint(layer, x, use_reentrant=False, respect_saved_tensors_hooks=True,
+                           context_fn=functools.partial(self._contexts, layer, True))
         return x

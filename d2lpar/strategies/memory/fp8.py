@@ -16,7 +16,9 @@ Where ``torch._scaled_mm`` is missing or refuses (some CPU builds without AVX-51
 which ran in ``last_kernel``.
 
 On a GPU ``_scaled_mm`` wants each dimension to be a multiple of 16 (the CPU is more lenient);
-``fp8_matmul`` enforces the GPU's rule, so code written here runs there.
+``fp8_matmul`` enforces the GPU's rule, so code written here runs there. An operand with an inf or
+a nan is refused: its amax, so its per-tensor scale, would be inf or nan and every output nan
+(fp32 keeps it to one row), and e4m3 has no inf (an inf saturates to 448 x scale, a finite number).
 """
 
 from __future__ import annotations
@@ -57,6 +59,14 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, scaled: bool = True,
         if size % 16:
             raise ValueError(f"{name} = {size} must be a multiple of 16 for torch._scaled_mm (GPUs "
                              f"require it): pad it to {size + 16 - size % 16}")
+    for name, t in (("a", a), ("b", b)):
+        bad = ~torch.isfinite(t)
+        if bad.any():
+            n, first = int(bad.sum()), tuple(bad.nonzero()[0].tolist())
+            raise ValueError(f"{name} has {n} {'entry that is' if n == 1 else 'entries that are'} "
+                             f"inf or nan (the first at {first}): fp8 cannot carry it (e4m3 has no "
+                             f"inf, and a per-tensor scale of inf or nan turns every output into "
+                             f"nan); find where it came from, or skip the step as GradScaler does")
     a8, sa = quantize(a, scaled, 1 if rowwise and scaled else None)   # sa: (m, 1) rowwise
     b8, sb = quantize(b, scaled, 0 if rowwise and scaled else None)   # sb: (1, n) rowwise
     b8 = b8.t().contiguous().t()   # _scaled_mm wants its second operand column-major

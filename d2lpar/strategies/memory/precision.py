@@ -89,20 +89,33 @@ class MixedPrecisionAdamW:
         self.master = [p.detach().float().clone().requires_grad_() for p in self.params]
         self.accum = [torch.zeros_like(m) for m in self.master] if fp32_grads else None
         self.opt = torch.optim.AdamW(self.master, lr=lr)
+        self.accumulated = False   # accumulate() ran since the last step
 
     def accumulate(self) -> None:
         """Move this micro-batch's bf16 gradients into the fp32 buffers (with ``fp32_grads``)."""
+        if self.accum is None:
+            raise ValueError("accumulate() moves gradients into fp32 buffers, which only "
+                             "MixedPrecisionAdamW(..., fp32_grads=True) keeps")
         for p, acc in zip(self.params, self.accum):
-            acc += p.grad.float()
-            p.grad = None
+            if p.grad is not None:
+                acc += p.grad.float()
+                p.grad = None
+        self.accumulated = True
 
     def step(self) -> None:
         """AdamW on the fp32 masters, from fp32 gradients: the accumulation buffers themselves, or
         an fp32 copy of the bf16 gradients (alive while ``opt.step()`` runs, counted in
         ``bytes_at_step``); then the masters are copied into the bf16 model and every gradient is
         cleared for the next backward."""
+        if not (self.accumulated if self.accum is not None else
+                any(p.grad is not None for p in self.params)):
+            raise ValueError("step() found no gradient: call loss.backward() before step() (and "
+                             "accumulate() after each backward, with fp32_grads)")
         for p, m, i in zip(self.params, self.master, range(len(self.master))):
-            m.grad = self.accum[i] if self.accum is not None else p.grad.float()
+            if self.accum is not None:
+                m.grad = self.accum[i]
+            elif p.grad is not None:   # a parameter the loss did not reach: AdamW skips it
+                m.grad = p.grad.float()
         self.bytes_at_step = self.bytes_held()
         self.opt.step()
         with torch.no_grad():
@@ -112,6 +125,7 @@ class MixedPrecisionAdamW:
         if self.accum is not None:
             for acc in self.accum:
                 acc.zero_()
+            self.accumulated = False
         for m in self.master:
             m.grad = None
 

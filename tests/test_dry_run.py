@@ -4,7 +4,7 @@ does not use (it dry-runs the 8B model); bad input is one sentence, before anyth
 import pytest
 import torch
 
-from d2lpar.cost.memory_levers import dry_run_formula
+from d2lpar.cost.memory_levers import dry_run_formula, sharded_bytes, split_parameters
 from d2lpar.strategies.memory.dry_run import GPT, GPTConfig, dry_run
 
 # Notebook 14 checks every category of the 8B model on 8 and 64 ranks; one small shape here keeps
@@ -42,3 +42,36 @@ def test_a_bf16_policy_halves_the_gathered_parameters_and_activations_only():
     for k in ("unsharded_param", "all_gather"):
         assert got[k] == pytest.approx(want[k] / 2, rel=1e-9), k
     assert r.peak["total"] > 0
+
+
+def test_each_category_is_read_where_it_is_whole_not_at_the_peak():
+    """The total may peak inside AdamW.step (its temporaries filed as 'opt') or at the end of the
+    backward (no all-gather buffer alive): a 13B-like model on (2, 8) and (4, 4) meshes does. The
+    peak's figures are planted here; measured() must not read them. No run, under 0.01 s."""
+    from d2lpar.strategies.memory.dry_run import DryRun
+    whole = {"sharded_param": 10, "unsharded_param": 7, "sharded_grad": 0, "opt": 20, "act": 30,
+             "all_gather": 0}
+    r = DryRun(4, (4,), 40, peak={**whole, "sharded_grad": 10, "opt": 29, "all_gather": 0},
+               after_forward=whole, after_backward={**whole, "sharded_grad": 10, "act": 0},
+               seconds=0.0, rss_bytes=0, parameter_tensors=4, in_layer={**whole, "all_gather": 5})
+    assert r.measured() == {"sharded_param": 10, "sharded_grad": 10, "opt": 20,
+                            "unsharded_param": 7, "all_gather": 5, "act": 30}
+
+
+def test_the_formula_counts_fsdp2s_padding_when_the_ranks_do_not_divide_a_tensor():
+    """FSDP2 pads each tensor's dim 0 to a multiple of N: on a (5, 3) mesh the MLP's 14 rows per
+    tensor-parallel rank and the 97-word vocabulary do not divide by 5. One dry run, about 1 s."""
+    cfg = GPTConfig(1, 30, 3, 42, 97)
+    r = dry_run(lambda: GPT(cfg), (5, 3), "fsdp+tp", batch=1, seq=4)
+    want = dry_run_formula(cfg.layers, cfg.d, cfg.heads, cfg.hidden, cfg.vocab, (5, 3), 1, 4)
+    assert r.measured() == pytest.approx(want, rel=1e-9)
+    P_split, P_rest, _, _ = split_parameters(cfg.layers, cfg.d, cfg.heads, cfg.hidden, cfg.vocab)
+    assert r.measured()["sharded_param"] > 1.01 * sharded_bytes(P_split, P_rest, 5, 3)   # padded
+
+
+def test_a_model_that_is_not_the_dry_runs_gpt_and_an_empty_batch_are_one_sentence():
+    with pytest.raises(TypeError, match=r"model_fn built a Linear: the dry run shards and trains "
+                                        r"dry_run.GPT"):
+        dry_run(lambda: torch.nn.Linear(4, 4), (2,), "fsdp")
+    with pytest.raises(ValueError, match=r"batch=0, seq=8: give at least one sequence of one token"):
+        dry_run(lambda: GPT(CONFIGS[0]), (2,), "fsdp", batch=0, seq=8)

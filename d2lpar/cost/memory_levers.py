@@ -153,19 +153,30 @@ def sharded_bytes(P_split: int, P_rest: int, n: int, t: int = 1, element: int = 
 
 def dry_run_formula(layers: int, d: int, heads: int, hidden: int, vocab: int, mesh_shape, b: int,
                     s: int) -> dict[str, float]:
-    """What ``dry_run`` should measure for rank 0, by category (see the module docstring)."""
+    """What ``dry_run`` should measure for rank 0, by category (see the module docstring).
+
+    FSDP2 cuts each tensor along dim 0 (its rows on this tensor-parallel rank) into N pieces
+    padded to ceil(rows / N) rows each (torch.distributed.fsdp's ``FSDPParam``): rank 0 keeps
+    ceil(rows / N) rows of every tensor, and the gathered blocks (a layer's all-gather buffer, the
+    root) N times that, padding included. When N divides every dim 0 this is the module
+    docstring's 4 (P_split/t + P_rest) / N."""
     n, t = (mesh_shape[0], mesh_shape[1] if len(mesh_shape) > 1 else 1)
     for name, size in (("heads", heads), ("d", d), ("hidden", hidden)):
         if size % t:
             raise ValueError(f"{name}={size} does not divide over tensor-parallel degree {t}")
-    P_split, P_rest, p_split, p_rest = split_parameters(layers, d, heads, hidden, vocab)
-    shard = sharded_bytes(P_split, P_rest, n, t)
-    # per layer: 2 LayerNorms and 4 linear layers (weight, bias); root: 4
-    tensors = layers * 12 + 4
-    one_layer = 4 * (p_split / t + p_rest)
-    root = 4 * (2 * vocab * d + 2 * d)
+
+    def rank0(shapes) -> int:   # elements rank 0 keeps of these (rows, columns) tensors
+        return sum(-(-rows // n) * cols for rows, cols in shapes)
+
+    # a layer on one tensor-parallel rank: 2 LayerNorms (weight, bias); qkv and fc1 cut by rows,
+    # out and fc2 by columns (their biases whole)
+    layer = [(d, 1)] * 4 + [(3 * d // t, d), (3 * d // t, 1), (d, d // t), (d, 1),
+                            (hidden // t, d), (hidden // t, 1), (d, hidden // t), (d, 1)]
+    root = [(vocab, d), (vocab, d), (d, 1), (d, 1)]   # embedding, output layer, final LayerNorm
+    shard = 4 * (layers * rank0(layer) + rank0(root))
+    tensors = layers * len(layer) + len(root)   # AdamW's step counts: one float per tensor
     # final LayerNorm, the output layer's input, log-softmax
     head = 4 * (2 * b * s * d + 2 * b * s + b * s * vocab) + 8
     return {"sharded_param": shard, "sharded_grad": shard, "opt": 2 * shard + 4 * tensors,
-            "unsharded_param": root, "all_gather": one_layer,
+            "unsharded_param": 4 * n * rank0(root), "all_gather": 4 * n * rank0(layer),
             "act": layers * layer_activations(b, s, d, heads, hidden, t) + head}

@@ -82,10 +82,12 @@ class GPT(nn.Module):
 class DryRun:
     """Rank 0's bytes per category (FSDPMemTracker's names, lower case) and what the run cost.
 
-    ``peak``: each category at the moment the total peaked (early in the backward pass: the root's
-    and one layer's gathered parameters); ``after_forward``: when the loss is computed (every saved
-    activation); ``after_backward``: at the end of the backward pass (the sharded gradients); all of
-    the second, steady step.
+    ``peak``: each category at the moment the total peaked (often early in the backward pass, the
+    root's and one layer's gathered parameters alive; for some shapes at the end of the backward,
+    or inside ``AdamW.step``, whose temporaries are filed as 'opt'); ``after_forward``: when the
+    loss is computed (every saved activation); ``after_backward``: at the end of the backward pass
+    (the sharded gradients); ``in_layer``: when the first layer starts its forward (its gathered
+    parameters and all-gather buffer alive); all of the second, steady step.
     """
     world: int
     mesh_shape: tuple[int, ...]
@@ -96,19 +98,26 @@ class DryRun:
     seconds: float
     rss_bytes: int
     parameter_tensors: int
+    in_layer: dict[str, int] | None = None
 
     def measured(self) -> dict[str, int]:
-        """Each category from the snapshot where it is whole (``dry_run_formula``'s keys)."""
-        return {"sharded_param": self.peak["sharded_param"],
-                "sharded_grad": self.after_backward["sharded_grad"], "opt": self.peak["opt"],
+        """Each category from the snapshot where it is whole (``dry_run_formula``'s keys): never
+        the peak's, which may hold AdamW's temporaries or no all-gather buffer at all."""
+        return {"sharded_param": self.after_forward["sharded_param"],
+                "sharded_grad": self.after_backward["sharded_grad"],
+                "opt": self.after_forward["opt"],   # AdamW's moments, no step's temporaries
                 "unsharded_param": self.after_forward["unsharded_param"],
-                "all_gather": self.peak["all_gather"], "act": self.after_forward["act"]}
+                "all_gather": self.in_layer["all_gather"], "act": self.after_forward["act"]}
 
 
 _PLANS = ("fsdp", "fsdp+tp")
 
 
-def _check(mesh_shape, plan, cfg: GPTConfig | None, world: int | None):
+def _check(mesh_shape, plan, cfg: GPTConfig | None, world: int | None, batch: int = 1,
+           seq: int = 1):
+    if not (isinstance(batch, int) and isinstance(seq, int) and batch >= 1 and seq >= 1):
+        raise ValueError(f"batch={batch!r}, seq={seq!r}: give at least one sequence of one token "
+                         "(integers)")
     if plan not in _PLANS:
         raise ValueError(f"plan={plan!r}: use 'fsdp' (mesh (N,)) or 'fsdp+tp' (mesh (dp, tp))")
     shape = tuple(mesh_shape)
@@ -159,7 +168,7 @@ def dry_run(model_fn, mesh_shape=(8,), plan: str = "fsdp", batch: int = 1, seq: 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    _check(mesh_shape, plan, None, world)
+    _check(mesh_shape, plan, None, world, batch, seq)
     shape = tuple(mesh_shape)
     if dist.is_initialized():
         raise RuntimeError("dry_run starts its own fake process group: call it outside a launched "
@@ -174,7 +183,11 @@ def dry_run(model_fn, mesh_shape=(8,), plan: str = "fsdp", batch: int = 1, seq: 
         tp_mesh = mesh["tp"] if plan == "fsdp+tp" else None
         with torch.device("meta"):      # shapes only: shard them here, outside fake mode
             model = model_fn()
-        _check(shape, plan, getattr(model, "cfg", None), world)
+        if not isinstance(model, GPT):
+            raise TypeError(f"model_fn built a {type(model).__name__}: the dry run shards and "
+                            "trains dry_run.GPT (its layers, embedding and output), so return "
+                            "GPT(GPTConfig(...))")
+        _check(shape, plan, model.cfg, world)
         params = sum(p.numel() for p in model.parameters())
         if plan == "fsdp+tp":
             _tensor_parallel(model, tp_mesh)
@@ -191,6 +204,9 @@ def dry_run(model_fn, mesh_shape=(8,), plan: str = "fsdp", batch: int = 1, seq: 
             tokens = torch.randint(0, model.out.out_features, (batch, seq))
             tracker = FSDPMemTracker(model, opt)
             tracker.track_inputs((tokens,))
+            in_layer = []   # FSDP's own pre-forward hook, the all-gather, runs before this one
+            model.layers[0].register_forward_pre_hook(
+                lambda module, args: in_layer.append(tracker.get_tracker_snapshot()))
             with tracker:
                 for step in range(2):   # the first step creates AdamW's state; the second is steady
                     loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
@@ -208,7 +224,7 @@ def dry_run(model_fn, mesh_shape=(8,), plan: str = "fsdp", batch: int = 1, seq: 
         dist.destroy_process_group()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return DryRun(math.prod(shape), shape, params, _named(snap), _named(forward), _named(after),
-                  time.perf_counter() - t0, rss, tensors)
+                  time.perf_counter() - t0, rss, tensors, _named(in_layer[-1]))
 
 
 def _named(snapshot) -> dict[str, int]:

@@ -175,13 +175,20 @@ def test_unserializable_function(nothing_starts):
         launch(lambda: lock.locked(), 2)
 
 
-def test_port_in_use():
+def test_a_port_in_use_is_replaced_not_an_error(no_strays, capsys):
+    # Another program (on a shared machine: another user's launch) listens on the port asked for.
+    def worker():
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method="env://")   # rank 0 listens on MASTER_PORT
+        return int(os.environ["MASTER_PORT"])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        with pytest.raises(LaunchError, match=f"port {port} on 127.0.0.1 is in use"):
-            launch(_rank_and_size, 2, master_port=port)
+        got = launch(worker, 2, master_port=port, init_process_group=False)
+    assert got[0] == got[1] != port
+    assert (f"launch: port {port} on 127.0.0.1 is in use (another launch or program): "
+            f"MASTER_PORT={got[0]} instead") in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------- failures

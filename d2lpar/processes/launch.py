@@ -31,6 +31,12 @@ How it differs from ``torch.multiprocessing.spawn``:
   caller dies, even by SIGKILL, the kernel tells the forkserver, which ends every rank's group
   (``forkserver_guard``: no rank needs its Python thread for it, so a rank busy in C code holding
   the GIL ends as promptly as an idle one).
+* Two launches at once, from one user or from two users of a shared machine, share nothing: each
+  has its own folder for logs, stacks and the file store (``ranklog.RunLogs``, under the user's own
+  build folder, ``infra.paths``), its own forkserver (its socket, mode 0600, is in a temporary
+  folder of the caller's own, mode 0700: ``multiprocessing.util.get_temp_dir``) and its own
+  MASTER_PORT, which the caller holds for the whole launch (``_reserve_port``). A ``master_port=``
+  already in use, say by another user's launch, is replaced by a free one, and a line says so.
 * The group is closed with a barrier before ``destroy_process_group`` (without it, gloo ranks
   sometimes abort at exit).
 
@@ -51,6 +57,7 @@ import multiprocessing.connection
 import os
 import signal
 import socket
+import sys
 import textwrap
 import time
 from datetime import timedelta
@@ -61,7 +68,7 @@ import torch
 
 from d2lpar.processes import rank as _rank
 from d2lpar.processes import ranklog
-from d2lpar.processes.commands import free_port, launcher_free_env
+from d2lpar.processes.commands import launcher_free_env
 from d2lpar.processes.pickling import dumps
 from d2lpar.processes.ranklog import LaunchError, LaunchTimeout, RankFailed
 
@@ -122,25 +129,53 @@ def _forkserver():
     return _context
 
 
-def _check_address(addr: str, port: int) -> None:
-    """The ranks run here: ``addr`` (their MASTER_ADDR) must resolve to an address of this machine,
-    and ``port`` (0: any free one) must be free on it. Said in one sentence, before anything starts."""
+HOLD_PORT = sys.platform.startswith("linux")  # SO_REUSEADDR lets a store listen beside the hold
+
+
+def _reserve_port(addr: str, port: int) -> tuple[socket.socket | None, int]:
+    """MASTER_PORT for this launch, and the socket that holds it until the launch ends.
+
+    ``addr`` (the ranks' MASTER_ADDR) must resolve to an address of this machine: the ranks run
+    here; said in one sentence, before anything starts. ``port`` 0 asks the kernel for a free one;
+    a port already in use (on a shared machine, maybe another user's launch) is not an error: a free
+    one replaces it, and a line says so.
+
+    The caller binds the port without listening and keeps it bound for the whole launch (Linux),
+    with SO_REUSEADDR set after the bind: another launch's probe (a bind without it) finds the port
+    taken, and the kernel gives it to no ``bind(..., 0)`` or outgoing connection (Linux's
+    ``inet_csk_bind_conflict`` and ``__inet_hash_connect``), while a rank's ``TCPStore``
+    (``init_method='env://'``), which binds with SO_REUSEADDR, can still listen on it: a bound
+    socket that does not listen blocks no listener that also asked for reuse. So two launches at
+    once never share a MASTER_PORT, even between the pick and the rank's bind.
+    """
     try:
         family = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)[0][0]
     except (socket.gaierror, UnicodeError) as e:
         raise LaunchError(f"master_addr {addr!r} does not resolve ({getattr(e, 'strerror', e)}): "
                           "the launcher's ranks all run on this machine, so give '127.0.0.1' "
                           "or a name of this machine") from None
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((addr, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise LaunchError(f"port {port} on {addr} is in use: pass master_port=0 to let the "
-                                  "launcher pick a free port, or choose another") from None
-            raise LaunchError(f"master_addr {addr!r} is not an address of this machine ({e.strerror}): "
-                              "the launcher's ranks all run here, so give '127.0.0.1' or one "
-                              "of this machine's addresses") from None
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s.bind((addr, port))
+    except OSError as e:
+        s.close()
+        if e.errno == errno.EADDRINUSE and port:
+            held, free = _reserve_port(addr, 0)
+            print(f"launch: port {port} on {addr} is in use (another launch or program): "
+                  f"MASTER_PORT={free} instead")
+            return held, free
+        if e.errno == errno.EADDRINUSE:
+            raise LaunchError(f"no free port left on {addr}: end programs that hold ports there, "
+                              "or give another master_addr") from None
+        raise LaunchError(f"master_addr {addr!r} is not an address of this machine ({e.strerror}): "
+                          "the launcher's ranks all run here, so give '127.0.0.1' or one "
+                          "of this machine's addresses") from None
+    port = s.getsockname()[1]
+    if not HOLD_PORT:   # elsewhere SO_REUSEADDR means other things: the port is free, not held
+        s.close()
+        return None, port
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    return s, port
 
 
 def _stop(procs) -> None:
@@ -218,6 +253,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     quiet: with capture_output, discard what the ranks print instead.
     init_process_group: False leaves the call to ``dist.init_process_group()`` to ``fn``, with
         MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK set for ``init_method='env://'``.
+    master_addr, master_port: MASTER_ADDR and MASTER_PORT for the ranks; port 0 (the default) is a
+        free one; a port in use is replaced by a free one (a line says so).
     env: variables set in the ranks on top of the caller's environment (which they get as it is now).
     fn_kwargs: keyword arguments for ``fn`` whose names are also options of launch (``timeout``...).
     progress: seconds after which, and then every ``PROGRESS_EVERY`` seconds, a line says which ranks
@@ -229,26 +266,37 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
                           "fn_kwargs: give each once")
     kwargs.update(fn_kwargs)
     _check_arguments(fn, world_size, timeout, env, args, kwargs, threads_per_rank, master_port)
-    _check_address(master_addr, master_port)
-    chosen, reason = choose_backend(world_size, backend)
-    if backend == "auto" and (chosen, reason) not in _said:
-        _said.add((chosen, reason))
-        print(f"launch: backend {chosen} ({reason})")
+    held, port = _reserve_port(master_addr, master_port)
     try:
-        payload = dumps((fn, args, kwargs))
-    except Exception as e:
-        raise LaunchError(f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments to the "
-                          f"ranks: {type(e).__name__}: {e}. Pass only picklable values (tensors, "
-                          "numbers, modules); create locks, files and sockets inside the worker") from e
+        chosen, reason = choose_backend(world_size, backend)
+        if backend == "auto" and (chosen, reason) not in _said:
+            _said.add((chosen, reason))
+            print(f"launch: backend {chosen} ({reason})")
+        try:
+            payload = dumps((fn, args, kwargs))
+        except Exception as e:
+            raise LaunchError(f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments to "
+                              f"the ranks: {type(e).__name__}: {e}. Pass only picklable values "
+                              "(tensors, numbers, modules); create locks, files and sockets inside "
+                              "the worker") from e
+        rank_env = launcher_free_env({
+            "MASTER_ADDR": master_addr, "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": str(threads_per_rank),
+            **(env or {})})
+        return _run(payload, world_size, chosen, rank_env, timeout, threads_per_rank,
+                    capture_output, quiet, init_process_group, progress)
+    finally:
+        if held is not None:
+            held.close()
 
+
+def _run(payload: bytes, world_size: int, chosen: str, rank_env: dict, timeout: float,
+         threads_per_rank: int, capture_output: bool, quiet: bool, init_process_group: bool,
+         progress: float | None) -> list[Any]:
+    """Start the ranks from the forkserver, collect their results, print their output."""
     ctx = _forkserver()
     group_timeout = timeout + 10  # the launcher's deadline comes first, and takes the stacks
-    port = master_port or free_port(master_addr)   # for MASTER_PORT: the ranks meet through a file
-    rank_env = launcher_free_env({
-        "MASTER_ADDR": master_addr, "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": str(threads_per_rank), **(env or {})})
-
-    logs = ranklog.RunLogs(world_size)
+    logs = ranklog.RunLogs(world_size)   # this launch's own folder: logs, stacks, the file store
     procs, readers, done = [], [], False
     try:
         with _rank.main_not_rerun():

@@ -20,7 +20,8 @@ arrived first then blames an innocent rank. Three pieces of evidence tell the st
 The launcher's errors live here too (``launch`` exports them): ``RankFailed`` (the cause's traceback,
 the consequences, every rank's last ``TAIL_LINES`` lines, the log folder) and ``LaunchTimeout``
 (where each unfinished rank waited). A good run's logs are deleted; a failed run's are kept, the
-newest ``KEEP_RUNS`` of them.
+newest ``KEEP_RUNS`` of the user's. Each launch has a folder of its own, made with a new name, so
+launches at once (two kernels, two users sharing a build folder) never write into one.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import os
 import re
 import shutil
 import signal
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,7 +114,10 @@ class RunLogs:
         global _runs
         _runs += 1
         self.world_size = world_size
-        self.dir = build_dir("launch", f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{_runs:04d}")
+        # made here, and only here (mkdtemp: a new name, mode 0700), so that launches sharing a
+        # build folder (two kernels; processes whose pids repeat in containers) never share one
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{_runs:04d}-"
+        self.dir = Path(tempfile.mkdtemp(prefix=stamp, dir=build_dir("launch")))
 
     def log(self, rank: int) -> Path:
         return self.dir / f"rank{rank}.log"
@@ -148,9 +153,17 @@ class RunLogs:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def keep(self) -> None:
-        """Keep this run's logs; delete all but the newest KEEP_RUNS runs' folders."""
-        runs = sorted(self.dir.parent.iterdir(), key=lambda p: (p.stat().st_mtime, p.name))
-        for old in runs[:-KEEP_RUNS]:
+        """Keep this run's logs; of this user's runs' folders, delete all but the newest KEEP_RUNS
+        (another user's, in a build folder they share, are theirs to delete)."""
+        runs = []
+        for folder in self.dir.parent.iterdir():
+            try:
+                st = folder.stat()
+            except OSError:   # deleted meanwhile, by another launch's keep()
+                continue
+            if not hasattr(os, "getuid") or st.st_uid == os.getuid():
+                runs.append((st.st_mtime, folder.name, folder))
+        for _, _, old in sorted(runs)[:-KEEP_RUNS]:
             if old != self.dir:
                 shutil.rmtree(old, ignore_errors=True)
 

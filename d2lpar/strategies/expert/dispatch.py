@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from d2lpar.strategies.expert.moe import Experts, check_moe, route
+from d2lpar.strategies.expert.moe import Experts, check_moe, check_tokens, route
 
 __all__ = ["AllToAllSingle", "check_same_moe", "ExpertParallelMoE"]
 
@@ -71,7 +71,9 @@ def check_same_moe(sizes: dict[str, int]) -> None:
 class ExpertParallelMoE(nn.Module):
     """This rank's part of ``moe.MoE``: the whole router, experts ``rank * E/N ...`` only.
 
-    ``full``: a single-device ``MoE`` to copy the router and this rank's experts from.
+    ``full``: a single-device ``MoE`` to copy the router and this rank's experts from; its router
+    must be the same on every rank (checked). Without it every rank takes rank 0's router (a
+    broadcast): ranks seeded apart would otherwise route by different routers.
     """
 
     def __init__(self, d: int, hidden: int, experts: int, k: int = 1,
@@ -92,10 +94,27 @@ class ExpertParallelMoE(nn.Module):
                 self.router.weight.copy_(full.router.weight)
                 self.experts.w1.copy_(full.experts.w1[self.first:self.first + self.local])
                 self.experts.w2.copy_(full.experts.w2[self.first:self.first + self.local])
+        self._same_router(full is None)
         self.last, self.counter = None, {}
+
+    def _same_router(self, take_rank_0s: bool) -> None:
+        """Every rank routes by rank 0's router: taken from it, or checked against it."""
+        if take_rank_0s:
+            dist.broadcast(self.router.weight.data, 0)
+            return
+        ref = self.router.weight.detach().clone()
+        dist.broadcast(ref, 0)
+        flags = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+        dist.all_gather(flags, torch.tensor([int(not torch.equal(ref, self.router.weight))]))
+        bad = [r for r, f in enumerate(flags) if f.item()]
+        if bad:
+            raise ValueError(f"the ranks' full= mixtures differ: rank 0's router is not rank "
+                             f"{bad[0]}'s; build full with the same seed on every rank "
+                             "(MoE(..., seed=s)), or leave it out to take rank 0's router")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = dist.get_world_size()
+        check_tokens(x, self.router.in_features)
         r = self.last = route(self.router(x), self.k, self.capacity_factor)
         token, choice = r.kept.nonzero(as_tuple=True)
         expert = r.expert[token, choice]

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["check_moe", "Routing", "route", "capacity", "Experts", "MoE"]
+__all__ = ["check_moe", "check_tokens", "Routing", "route", "capacity", "Experts", "MoE"]
 
 
 def check_moe(d: int, experts: int, k: int, capacity_factor: float | None) -> None:
@@ -41,6 +41,16 @@ def check_moe(d: int, experts: int, k: int, capacity_factor: float | None) -> No
         raise ValueError(f"capacity_factor={capacity_factor}: give a number above 0 (1.0: room for "
                          "an "
                          "even split; None: no limit)")
+    if capacity_factor is not None and not math.isfinite(capacity_factor):
+        raise ValueError(f"capacity_factor={capacity_factor}: give a finite number above 0 (None: "
+                         "no limit)")
+
+
+def check_tokens(x: torch.Tensor, d: int) -> None:
+    """The mixture routes tokens, one per row: (T, d)."""
+    if x.dim() != 2 or x.shape[1] != d:
+        raise ValueError(f"the mixture takes tokens as rows (T, d={d}), got shape "
+                         f"{tuple(x.shape)}: flatten them, x.reshape(-1, {d})")
 
 
 def capacity(tokens: int, k: int, experts: int, capacity_factor: float | None) -> int:
@@ -67,7 +77,10 @@ class Routing:
         return int((~self.kept).sum())
 
     def aux_loss(self) -> torch.Tensor:
+        """E sum_e f_e P_e; 0 for no tokens (nothing to balance; 0/0 would be nan)."""
         E = self.probs.shape[1]
+        if self.expert.numel() == 0:
+            return self.probs.sum() * 0.0   # zero, still in the router's graph
         f = self.counts.float() / self.expert.numel()
         return E * (f * self.probs.mean(0)).sum()
 
@@ -114,6 +127,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, d) -> (T, d); the routing is kept in ``self.last`` (counts, drops, aux loss)."""
+        check_tokens(x, self.router.in_features)
         r = self.last = route(self.router(x), self.k, self.capacity_factor)
         out = torch.zeros_like(x)
         for e in range(self.E):

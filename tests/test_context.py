@@ -136,3 +136,44 @@ def test_the_overlap_check_fails_when_a_rank_waited_for_its_transfers_on_a_quiet
         T.overlap_check({"transfer": 0.08, "per_rank": ranks(0.0002, 0.07)})
     monkeypatch.setattr(T, "busy_clause", lambda: "\n  (a busy machine)")
     T.overlap_check({"transfer": 0.08, "per_rank": ranks(0.0002, 0.07)})   # prints, no raise
+
+
+def _ulysses_gqa_and_bad_heads(S):
+    """Grouped-query attention (12 query heads, 6 key/value heads: 4 and 2 per rank), then k/v
+    heads that do not fit, each error caught on every rank (each raises before any message)."""
+    import torch.distributed as dist
+    rank, n = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, h, S, 4, generator=g) for h in (12, 6, 6))
+    part = [R.split_sequence(t, n, False)[rank].requires_grad_() for t in (q, k, v)]
+    out = ulysses_attention(*part, causal=True)
+    out.square().sum().backward()
+    errors = []
+    for hq, hk, hv in ((12, 4, 4), (6, 4, 4), (6, 3, 6)):
+        try:
+            ulysses_attention(*(torch.randn(1, h, S // n, 4) for h in (hq, hk, hv)))
+        except ValueError as e:
+            errors.append(str(e))
+    return out.detach(), [t.grad for t in part], errors
+
+
+def test_ulysses_with_grouped_query_attention_equals_one_device_and_checks_the_kv_heads():
+    """One 3-rank launch, about 0.3 s."""
+    S, n = 9, 3
+    res = launch(_ulysses_gqa_and_bad_heads, n, S, timeout=30)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, h, S, 4, generator=g).requires_grad_() for h in (12, 6, 6))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    ref.square().sum().backward()
+    torch.testing.assert_close(R.merge_sequence([r[0] for r in res], False), ref.detach(),
+                               rtol=1e-5, atol=1e-5)
+    for i, t in enumerate((q, k, v)):
+        torch.testing.assert_close(R.merge_sequence([r[1][i] for r in res], False), t.grad,
+                                   rtol=1e-5, atol=1e-5)
+    assert res[0][2] == [
+        "Ulysses splits the 4 key/value heads over 3 ranks: they must divide evenly; use a number "
+        "of ranks that divides 4 (or repeat the key/value heads, or ring attention)",
+        "q has 6 heads and k/v 4: grouped-query attention needs the query heads to be a multiple "
+        "of the key/value heads",
+        "k has 3 heads and v 6: give k and v the same heads"]

@@ -9,7 +9,8 @@ moves (N-1)/N of a rank's b (S/N) d elements, so a rank sends 4 (N-1)/N * b S d 
 layer forward, a fraction 1/N of ring attention's (N-1) * 2 b S d / N: Ulysses' traffic per rank
 falls as N grows, the ring's does not. The catch: the heads must divide over the ranks (a % N == 0),
 so N is at most a (and with grouped-query attention, at most the number of key/value heads without
-copies).
+copies: those must divide over the ranks too; rank p then holds query heads p a/N .. and the
+key/value heads of their groups, and attention runs with ``enable_gqa``).
 
 ``AllToAll`` is differentiable: its backward is the all-to-all that undoes it.
 """
@@ -63,9 +64,19 @@ def heads_to_seq(x, counter=None):
 
 def ulysses_attention(q, k, v, causal: bool = False, counter: dict | None = None):
     """This rank's attention output for its S/N tokens (b, a, S/N, d_h), all heads."""
-    n, heads = dist.get_world_size(), q.shape[1]
+    n, heads, kv = dist.get_world_size(), q.shape[1], k.shape[1]
+    if v.shape[1] != kv:
+        raise ValueError(f"k has {kv} heads and v {v.shape[1]}: give k and v the same heads")
+    if heads % kv:
+        raise ValueError(f"q has {heads} heads and k/v {kv}: grouped-query attention needs the "
+                         f"query heads to be a multiple of the key/value heads")
     if heads % n:
         raise ValueError(f"Ulysses splits the {heads} heads over {n} ranks: the heads must divide "
                          f"evenly; use a number of ranks that divides {heads} (or ring attention)")
+    if kv % n:
+        raise ValueError(f"Ulysses splits the {kv} key/value heads over {n} ranks: they must divide "
+                         f"evenly; use a number of ranks that divides {kv} (or repeat the "
+                         f"key/value heads, or ring attention)")
     q, k, v = (seq_to_heads(t, counter) for t in (q, k, v))
-    return heads_to_seq(F.scaled_dot_product_attention(q, k, v, is_causal=causal), counter)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv != heads)
+    return heads_to_seq(out, counter)

@@ -121,9 +121,12 @@ def check_one_gpu_each(device: torch.device, world: int) -> None:
     fail on a shared GPU with its own error), and all stop with the same sentence on a repeat."""
     if device.type != "cuda" or world == 1:
         return
-    uuids: list = [None] * world
-    dist.all_gather_object(uuids, str(torch.cuda.get_device_properties(device).uuid),
-                           group=dist.new_group(backend="gloo"))
+    # as 64 bytes in a tensor, not all_gather_object: torch unpickles a received object with numpy
+    mine = str(torch.cuda.get_device_properties(device).uuid).encode()[:64].ljust(64, b"\0")
+    gathered = [torch.zeros(64, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(gathered, torch.tensor(list(mine), dtype=torch.uint8),
+                    group=dist.new_group(backend="gloo"))
+    uuids = [bytes(t.tolist()).rstrip(b"\0").decode() for t in gathered]
     if problem := shared_gpus(uuids):
         raise Usage(problem)
 

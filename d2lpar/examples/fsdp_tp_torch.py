@@ -3,9 +3,11 @@
 torch only: no d2lpar. The ranks form a dp x tp grid (``init_device_mesh``); each tp row splits
 every MLP's first Linear by columns and its second by rows (``parallelize_module``), ``fully_shard``
 shards that over the dp column, ``torch.optim.AdamW`` steps the shards, ``get_state_dict`` +
-``dcp.save`` write them; a rerun with the same ``--out`` resumes (``dcp.load`` + ``set_state_dict``)
-on any grid. ``--batch-size`` is global: a dp group takes B/dp rows (the same on its tp ranks), so
-any grid ends with one process's weights. CPUs (gloo) or a GPU per process (NCCL), as is:
+``dcp.save`` write them (each rank its shards and their index; rank 0 merges the indexes); a rerun
+with the same ``--out`` resumes (``dcp.load`` + ``set_state_dict``) on any grid. ``--batch-size``
+is global: a dp group takes B/dp rows (the same on its tp ranks), so any grid ends with one
+process's weights. It needs nothing but torch (no numpy: it sends no pickled object between ranks).
+CPUs (gloo) or a GPU per process (NCCL), as is:
 
     python fsdp_tp_torch.py --out ckpt                                    # one process, no mesh
     torchrun --standalone --nproc-per-node=4 fsdp_tp_torch.py --out ckpt  # dp x tp = 2 x 2
@@ -14,6 +16,7 @@ any grid ends with one process's weights. CPUs (gloo) or a GPU per process (NCCL
 import argparse
 import gc
 import os
+import pickle
 import sys
 import tempfile
 import warnings
@@ -22,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -53,6 +57,29 @@ def make_data_and_model(seed: int, d: int = 16, hidden: int = 64):
     torch.manual_seed(seed)  # the same full model on every rank, before it is cut
     block = lambda: nn.Sequential(nn.Linear(d, hidden), nn.ReLU(), nn.Linear(hidden, d))
     return batch, nn.Sequential(block(), block())
+
+
+def merge_indexes(folder: str, world: int) -> None:
+    """Write the checkpoint's one index, ``.metadata``, from the ranks' own (``__<r>.metadata``,
+    which ``dcp.save(..., use_collectives=False)`` writes): every key, every rank's pieces (a piece
+    that several ranks hold, once), where each lies. ``.metadata`` is a pickled ``Metadata``, as
+    ``FileSystemWriter.finish`` writes it."""
+    merged = None
+    for r in range(world):
+        index = dcp.FileSystemReader(folder).read_metadata(rank=r)
+        if merged is None:
+            merged = index
+            continue
+        for key, item in index.state_dict_metadata.items():
+            have = merged.state_dict_metadata.setdefault(key, item)
+            if have is not item and isinstance(item, TensorStorageMetadata):
+                known = {tuple(c.offsets) for c in have.chunks}
+                have.chunks += [c for c in item.chunks if tuple(c.offsets) not in known]
+        merged.storage_data = {**index.storage_data, **merged.storage_data}
+        merged.planner_data = {**(index.planner_data or {}), **(merged.planner_data or {})}
+    with open(os.path.join(folder, ".metadata.tmp"), "wb") as f:
+        pickle.dump(merged, f)
+    os.replace(os.path.join(folder, ".metadata.tmp"), os.path.join(folder, ".metadata"))
 
 
 def main(argv=None) -> None:
@@ -110,7 +137,7 @@ def train(args, rank: int, dp: int, tp: int, device: torch.device) -> None:
     state, start = {"model": {}, "optim": {}, "step": 0}, 0
     if os.path.exists(os.path.join(args.out, ".metadata")):  # resume, whatever grid saved it
         state["model"], state["optim"] = get_state_dict(net, opt)
-        dcp.load(state, checkpoint_id=args.out, no_dist=dp * tp == 1)
+        dcp.load(state, checkpoint_id=args.out, no_dist=True)  # each rank reads its own pieces
         set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         start = state["step"]
     per = args.batch_size // dp
@@ -124,8 +151,16 @@ def train(args, rank: int, dp: int, tp: int, device: torch.device) -> None:
             print(f"rank 0 of {dp * tp} (dp {dp} x tp {tp}, {device}): step {step + 1}, "
                   f"loss on its rows {loss.item():.4f}", flush=True)
     model_state, optim_state = get_state_dict(net, opt)  # sharded DTensors: no rank gathers all
+    # dcp.save's default agrees on one plan by sending pickled plans between ranks, and torch
+    # unpickles a received object with tensor.numpy() (_tensor_to_object): without numpy, each
+    # rank writes its shards and its own index (a piece held by several ranks, by each of them),
+    # then rank 0 merges the indexes, and dcp.load reads the merged one on any grid.
     dcp.save({"model": model_state, "optim": optim_state, "step": args.steps},
-             checkpoint_id=args.out, no_dist=dp * tp == 1)
+             checkpoint_id=args.out, no_dist=dp * tp == 1, use_collectives=False)
+    if rank == 0:
+        merge_indexes(args.out, dp * tp)
+    if dp * tp > 1:
+        dist.barrier()  # every rank returns once the checkpoint is whole
     if rank == 0:
         where = net[0][0].weight.placements if dp * tp > 1 else "whole"
         print(f"saved to {args.out}; block 0's first weight placed {where}", flush=True)

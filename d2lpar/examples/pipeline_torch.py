@@ -101,7 +101,12 @@ def train(args, rank: int, world: int, device: torch.device) -> dict:
     optimizer = torch.optim.SGD(part.parameters(), lr=0.1)
     last = rank == world - 1
     if world > 1:
-        stage = PipelineStage(part, rank, world, device)
+        # A micro-batch's shapes in and out of this stage, given: otherwise the first step infers
+        # them by sending them between stages as pickled objects, which needs numpy to unpickle.
+        mb, width = args.batch_size // args.microbatches, 4 if last else 16
+        into = torch.empty(mb, 16, device=device, requires_grad=rank > 0)  # rank 0's: the data
+        out = torch.empty(mb, width, device=device, requires_grad=True)
+        stage = PipelineStage(part, rank, world, device, input_args=into, output_args=out)
         loss_fn = nn.functional.cross_entropy  # per micro-batch; gradients divided by m
         sched = SCHEDULES[args.schedule](stage, args.microbatches, loss_fn=loss_fn)
     for step in range(args.steps):

@@ -159,6 +159,19 @@ def parallelize(stage: nn.Sequential, mesh) -> nn.Sequential:
     return fully_shard(stage, mesh=mesh["dp"])
 
 
+def stage_io(model: nn.Sequential, lo: int, hi: int, rows: int, seq: int, device) -> tuple:
+    """A micro-batch into and out of layers [lo, hi) (token ids into the embedding, (rows, seq, d)
+    between layers, logits out of the head), for ``PipelineStage`` to take as given: otherwise the
+    first step infers them by sending them between stages as pickled objects, which needs numpy."""
+    d, vocab = model[0].tok.weight.shape[1], model[-1].out.out_features
+    if lo == 0:
+        into = torch.empty(rows, seq, dtype=torch.long, device=device)
+    else:
+        into = torch.empty(rows, seq, d, device=device, requires_grad=True)
+    width = vocab if hi == len(model) else d
+    return into, torch.empty(rows, seq, width, device=device, requires_grad=True)
+
+
 def full_state(stage: nn.Module, lo: int, grads: bool = False) -> dict:
     """The stage's parameters (or their gradients), whole (DTensors gathered), under the full
     model's names."""
@@ -199,9 +212,10 @@ def main(argv=None) -> dict:
         raise Usage(f"--tp {a.tp} must divide --heads {a.heads} (and --heads must divide --d {a.d})")
     if a.pp > a.layers + 2:
         raise Usage(f"--pp {a.pp} is more than the {a.layers + 2} layers (embedding, blocks, head)")
-    if a.batch_size % a.dp or a.batch_size // a.dp < a.microbatches:
-        raise Usage(f"--batch-size {a.batch_size} must be a multiple of --dp {a.dp} with at least "
-                    f"--microbatches {a.microbatches} rows per data-parallel group")
+    if a.batch_size % (a.dp * a.microbatches):
+        raise Usage(f"--batch-size {a.batch_size} must be a multiple of --dp {a.dp} x --microbatches "
+                    f"{a.microbatches} = {a.dp * a.microbatches}: each data-parallel group cuts its "
+                    f"rows into equal micro-batches")
     if not a.cpu and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1)):
         torch.cuda.set_device(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"
@@ -243,7 +257,13 @@ def train(a, rank: int, world: int, device: torch.device) -> dict:
     schedule = None
     if a.pp > 1:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-        pipe = PipelineStage(stage, stage_index, a.pp, device, group=mesh["pp"].get_group())
+        rows, seq = batches[0][0].shape
+        if rows % (a.dp * a.microbatches):
+            raise Usage(f"--state's batches have {rows} rows, not a multiple of --dp {a.dp} x "
+                        f"--microbatches {a.microbatches}: change a degree, or the batches")
+        into, out = stage_io(model, lo, hi, rows // (a.dp * a.microbatches), seq, device)
+        pipe = PipelineStage(stage, stage_index, a.pp, device, input_args=into, output_args=out,
+                             group=mesh["pp"].get_group())
         schedule = Schedule1F1B(pipe, a.microbatches, loss_fn=loss_fn)   # grads of the batch's mean loss
     per, losses, seconds, grads = batches[0][0].shape[0] // a.dp, [], [], None
     for X, Y in batches:

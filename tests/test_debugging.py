@@ -1,6 +1,8 @@
 """Each planted fault of notebook 16 is found by its tool, and each fix makes its check pass, on 3
 ranks where the notebook uses 2."""
 
+import time
+
 import pytest
 import torch
 
@@ -50,9 +52,34 @@ def test_each_silent_error_fails_its_check_until_fixed():
     assert faults.device_for({"RANK": "9", "LOCAL_RANK": "1"}, False) == "cuda:9"
 
 
-def test_a_bad_mismatch_kind_is_one_sentence():
-    with pytest.raises(RankFailed, match="kind='size': use 'order', 'shape' or 'dtype'"):
-        launch(faults.mismatch, 2, "size", 2, init_process_group=False, timeout=20, quiet=True)
+@pytest.mark.parametrize("fault,args,said", [
+    (faults.mismatch, ("size", 2), r"kind='size': use 'order', 'shape' or 'dtype'"),
+    (faults.mismatch, ("shape", 0), r"timeout_s=0: give the seconds a collective may wait"),
+    (faults.mismatch, ("shape", -1), r"timeout_s=-1: give the seconds a collective may wait"),
+    (faults.skip_collective, ("bogus",), r"how='bogus': use 'hang', 'monitored' or 'recorded'"),
+    (faults.skip_collective, ("recorded", None), r"how='recorded' writes .* folder=None: give"),
+    (faults.skip_collective, ("recorded", "/proc/no/such"), r"folder='/proc/no/such' cannot be "),
+    (faults.skip_collective, ("hang", None, "", float("nan")), r"timeout_s=nan: give the seconds"),
+    (faults.uneven_batches, ("bogus",), r"fix='bogus': use None, 'join' or 'equal'"),
+], ids=["kind", "timeout 0", "timeout -1", "how", "no folder", "unwritable folder", "timeout nan",
+        "fix"])
+def test_a_bad_fault_argument_is_one_sentence_before_any_rank_starts(fault, args, said):
+    # without the check these hung until the launcher's timeout (an unknown how or fix) or failed
+    # in every rank with torch's 70-line socket error (timeout_s 0)
+    own_group = fault is not faults.uneven_batches   # it calls init_process_group itself
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=said) as e:
+        launch(fault, 3, *args, init_process_group=not own_group, timeout=5, quiet=True)
+    assert time.monotonic() - start < 1.0 and "\n" not in str(e.value)
+
+
+def _called_directly():
+    return faults.uneven_batches("bogus")   # not through launch's check: the fault checks itself
+
+
+def test_a_fault_called_inside_a_rank_refuses_a_bad_argument_too():
+    with pytest.raises(RankFailed, match=r"fix='bogus': use None, 'join' or 'equal'"):
+        launch(_called_directly, 3, timeout=10, quiet=True)
 
 
 def test_the_skipper_is_a_parameter_and_monitored_barrier_names_it():

@@ -234,6 +234,26 @@ def test_a_rank_killed_in_an_all_reduce_is_named_every_time(no_strays):
     assert re.search(r"as a consequence:\n  rank 0: .*Connection closed by peer", str(info.value))
 
 
+@pytest.mark.parametrize("n", [3, 5])
+def test_a_rank_that_closes_the_group_alone_is_named_not_the_ranks_it_left(no_strays, n):
+    # rank 0's fn destroys the launcher's group and returns; the others fail in the launcher's
+    # closing barrier with "connection closed by peer", which used to make rank 1 the cause
+    def worker(everyone: bool):
+        import torch.distributed as dist
+        dist.all_reduce(torch.ones(1))
+        if everyone or dist.get_rank() == 0:
+            dist.destroy_process_group()
+        return dist.is_initialized()
+    assert launch(worker, n, True, timeout=30) == [False] * n   # every rank alike: fine
+    with pytest.raises(RankFailed) as info:
+        launch(worker, n, False, timeout=30)
+    assert info.value.rank == 0 and sorted(info.value.consequences) == list(range(1, n))
+    assert info.value.remote_traceback.startswith(
+        "rank 0 left the process group early (its fn called dist.destroy_process_group() and "
+        f"returned) while rank(s) {', '.join(map(str, range(1, n)))} still needed it")
+    assert "\n" not in info.value.remote_traceback
+
+
 def test_a_collective_mismatch_that_gloo_aborts_on_is_explained(no_strays):
     # gloo kills the process (SIGABRT) when ranks give one all-reduce different sizes; the error
     # says why, and gloo's own message is shown whole, not cut.

@@ -20,6 +20,16 @@ def test_the_cause_is_the_earliest_rank_that_was_not_a_consequence():
     assert root_cause([peer_first])[0] is peer_first  # only consequences: the earliest of them
 
 
+def test_a_rank_that_left_the_group_is_the_cause_only_when_the_others_lost_a_peer():
+    stranded = [Failure(2, "raised", PEER, time=1.1), Failure(1, "raised", PEER, time=1.0)]
+    cause, others = root_cause(stranded, left=[0])
+    assert (cause.rank, cause.kind) == (0, "left") and [f.rank for f in others] == [1, 2]
+    assert "rank(s) 1, 2 still needed it" in cause.text
+    assert root_cause(stranded)[0].rank == 1   # without knowing who left: the earliest peer
+    own = Failure(2, "raised", OWN, time=1.2)
+    assert root_cause([stranded[1], own], left=[0])[0] is own   # an error of its own comes first
+
+
 def test_last_line_without_the_library_noise():
     assert Failure(0, "raised", PEER, 0).last_line == ("RuntimeError: Connection closed by peer "
                                                        "[127.0.0.1]:4331.")

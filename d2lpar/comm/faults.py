@@ -16,13 +16,24 @@ more; ``fix`` = 'join' or 'equal'), ``unused_parameter`` (a layer the forward sk
 ``find_unused``). Silent errors, each returning what a check can test: ``dropout_masks``
 (``seed_per_rank``), ``sampler_orders`` (``set_epoch``), ``manual_data_parallel_step``
 (``average``), ``device_for`` (LOCAL_RANK or RANK on a second node) and ``nan_step`` (``guard``).
+
+A mode a fault does not know (``how``, ``kind``, ``fix``), a ``timeout_s`` that is not a positive
+number, or no writable ``folder`` for 'recorded' is refused in one sentence: by ``launch``, in the
+caller before any rank starts (it calls a function's ``check_arguments``), and in each rank when the
+fault is called there directly; a mode it did not know would plant a hang instead.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import math
+import os
 import re
+import tempfile
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -42,6 +53,68 @@ def _init(timeout_s: float) -> int:
     return dist.get_rank()
 
 
+def _checked(check):
+    """Decorate a fault with ``check(**its arguments by name)``, run before the fault: by ``launch``
+    in the caller, before any rank starts (as ``fault.check_arguments``), and in the rank itself."""
+    def decorate(fault):
+        signature = inspect.signature(fault)
+
+        def check_arguments(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            check(**bound.arguments)
+
+        @functools.wraps(fault)
+        def checked(*args, **kwargs):
+            check_arguments(*args, **kwargs)
+            return fault(*args, **kwargs)
+        checked.check_arguments = check_arguments
+        return checked
+    return decorate
+
+
+def _one_of(name: str, value, known: tuple) -> None:
+    if value not in known:
+        said = ", ".join(map(repr, known[:-1])) + f" or {known[-1]!r}"
+        raise ValueError(f"{name}={value!r}: use {said}")
+
+
+def _check_timeout(timeout_s) -> None:
+    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+            or not 0 < timeout_s < math.inf):
+        raise ValueError(f"timeout_s={timeout_s!r}: give the seconds a collective may wait, a "
+                         "number above 0")
+
+
+def _check_skip(how, folder, timeout_s, skipper, **_) -> None:
+    _one_of("how", how, ("hang", "monitored", "recorded"))
+    _check_timeout(timeout_s)
+    if isinstance(skipper, bool) or not isinstance(skipper, int):
+        raise ValueError(f"skipper={skipper!r}: give the rank (a whole number) that skips a "
+                         "collective")
+    if how != "recorded":
+        return
+    if not isinstance(folder, (str, os.PathLike)):
+        raise ValueError(f"how='recorded' writes each rank's dump into a folder, got "
+                         f"folder={folder!r}: give a folder you can write")
+    try:   # made now, as dump() would make it, and written to once
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise ValueError(f"folder={str(folder)!r} cannot be written ({e.strerror}): give a folder "
+                         "you can write") from None
+
+
+def _check_mismatch(kind, timeout_s) -> None:
+    _one_of("kind", kind, ("order", "shape", "dtype"))
+    _check_timeout(timeout_s)
+
+
+def _check_uneven(fix) -> None:
+    _one_of("fix", fix, (None, "join", "equal"))
+
+
+@_checked(_check_skip)
 def skip_collective(how: str = "hang", folder: str | None = None, run: str = "",
                     timeout_s: float = 60,
                     skipper: int = 1):
@@ -67,6 +140,7 @@ def skip_collective(how: str = "hang", folder: str | None = None, run: str = "",
     return error
 
 
+@_checked(_check_mismatch)
 def mismatch(kind: str, timeout_s: float = 5):
     rank = _init(timeout_s)
     result = None
@@ -123,6 +197,7 @@ class _SkipsALayer(nn.Module):
         return self.body(x).sum(-1, keepdim=True)   # self.head never runs
 
 
+@_checked(_check_uneven)
 def uneven_batches(fix: str | None = None):
     """DDP over a hand-made split (every N-th example, no padding): rank 0 has one batch more."""
     from torch.distributed.algorithms.join import Join

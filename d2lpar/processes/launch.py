@@ -7,7 +7,8 @@ who, exactly as under ``torchrun``, so the worker you write here is the worker y
 How it differs from ``torch.multiprocessing.spawn``:
 
 * ``fn`` may be defined in a notebook cell: it is serialized by value with cloudpickle. Bad
-  arguments (``fn`` not callable, arguments ``fn`` cannot take) fail here, before any process starts.
+  arguments (``fn`` not callable, arguments ``fn`` cannot take, what ``fn.check_arguments``, if it
+  has one, refuses: a fault's unknown mode) fail here, before any process starts.
 * Processes come from a *forkserver* that has already imported torch, so after the first launch
   starting a rank costs a fork, not a Python start-up plus ``import torch``. Fork is taken from the
   server, never from the caller, so a caller that has initialised CUDA is safe. Each launch hands the
@@ -38,7 +39,8 @@ How it differs from ``torch.multiprocessing.spawn``:
   MASTER_PORT, which the caller holds for the whole launch (``_reserve_port``). A ``master_port=``
   already in use, say by another user's launch, is replaced by a free one, and a line says so.
 * The group is closed with a barrier before ``destroy_process_group`` (without it, gloo ranks
-  sometimes abort at exit).
+  sometimes abort at exit). A rank whose ``fn`` closed the group itself while the others still
+  needed it is named as the cause (``ranklog.root_cause``), not the ranks its leaving stranded.
 
 Platforms. Linux is what the course tests. macOS gets the same forkserver, output capture, stacks
 at a timeout and caller watch, but no parent-death signal (``prctl`` is Linux-only; the watch thread
@@ -233,6 +235,9 @@ def _check_arguments(fn, world_size, timeout, env, args, kwargs, threads_per_ran
                      f"is the launcher's, not {name}'s. Pass {name}'s positionally or with "
                      f"fn_kwargs={{'{clash[0]}': ...}}.")
         raise LaunchError(said + " Nothing was started.") from None
+    check = getattr(fn, "check_arguments", None)
+    if callable(check):   # fn's own check (a fault's mode, say): once here, not in every rank
+        check(*args, **kwargs)
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "auto",
@@ -371,6 +376,7 @@ def _collect(procs, readers, world_size: int, timeout: float, logs, captured: bo
     tick = start + progress if progress is not None else float("inf")
     results: list[Any] = [None] * world_size
     failures: list[ranklog.Failure] = []
+    left: list[int] = []   # ranks whose fn closed the launcher's process group itself
     pending = set(range(world_size))
     first_failure = None
     while pending:
@@ -395,12 +401,14 @@ def _collect(procs, readers, world_size: int, timeout: float, logs, captured: bo
             pending.discard(rank)
             if msg[0] == "ok":
                 results[rank] = cloudpickle.loads(msg[1])
+                if ranklog.LEFT_GROUP in msg[2:]:
+                    left.append(rank)
             else:
                 failures.append(ranklog.Failure(rank, msg[0], msg[1], msg[2]))
                 first_failure = first_failure or time.monotonic()
     details = logs.tails() if captured else "(output went to the terminal: capture_output=False)"
     if failures:
-        cause, others = ranklog.root_cause(failures)
+        cause, others = ranklog.root_cause(failures, left)
         consequences = {f.rank: f.last_line for f in others}
         stacks = _stacks(procs, sorted(pending), logs)
         consequences.update({r: f"was still running and {ranklog.where(stacks[r])}; the launcher "

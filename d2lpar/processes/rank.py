@@ -36,7 +36,7 @@ from datetime import timedelta
 import cloudpickle
 import torch
 
-from d2lpar.processes.ranklog import FN_RETURNED, RAISED_MARK, STACK_SIGNAL
+from d2lpar.processes.ranklog import FN_RETURNED, LEFT_GROUP, RAISED_MARK, STACK_SIGNAL
 
 __all__ = ["main", "main_not_rerun", "capture_fds", "arm_stack_dump", "note", "flush_all"]
 
@@ -101,10 +101,11 @@ def main(rank: int, world_size: int, payload: bytes, conn, env: dict, backend: s
                                     timeout=timedelta(seconds=timeout_s))
         result = fn(*args, **kwargs)
         note(FN_RETURNED)
+        left = rendezvous is not None and not dist.is_initialized()   # fn closed our group itself
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
-        message = ("ok", cloudpickle.dumps(result))
+        message = ("ok", cloudpickle.dumps(result)) + ((LEFT_GROUP,) if left else ())
     except BaseException as e:  # the traceback starts below this frame, in the student's code
         tb = e.__traceback__.tb_next or e.__traceback__
         message = ("raised", "".join(traceback.format_exception(type(e), e, tb)), time.time())

@@ -50,6 +50,7 @@ PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|Brok
                        r"communicator was aborted|Connection refused", re.IGNORECASE)
 RAISED_MARK = "[launch] this rank raised:"  # in a log: what the rank printed ends here
 FN_RETURNED = "fn returned"  # in a stack file: the rank waits in the launcher's closing barrier
+LEFT_GROUP = "left the group"  # after "ok" in a rank's message: its fn closed the launcher's group
 _runs = 0
 
 
@@ -211,10 +212,29 @@ def explain_death(text: str, output: str) -> str:
             "its collectives to see which differ")
 
 
-def root_cause(failures: list[Failure]) -> tuple[Failure, list[Failure]]:
-    """The failure that began it, ``min((consequence, time))``, and the others in rank order."""
+def root_cause(failures: list[Failure], left=()) -> tuple[Failure, list[Failure]]:
+    """The failure that began it, ``min((consequence, time))``, and the others in rank order.
+
+    ``left``: ranks whose fn returned after closing the launcher's process group itself. When every
+    failure is a consequence (a peer went away), those ranks began it: they left a group the others
+    still needed, if only for the launcher's closing barrier."""
+    if left and all(f.consequence for f in failures):
+        return _left_early(sorted(left), failures), sorted(failures, key=lambda f: f.rank)
     cause = min(failures, key=lambda f: (f.consequence, f.time, f.rank))
     return cause, sorted((f for f in failures if f is not cause), key=lambda f: f.rank)
+
+
+def _left_early(left: list[int], failures: list[Failure]) -> Failure:
+    """The cause when ranks ``left`` closed the group and the ``failures`` lost their peer."""
+    ranks, one = ", ".join(map(str, left)), len(left) == 1
+    stranded = ", ".join(str(f.rank) for f in sorted(failures, key=lambda f: f.rank))
+    text = (f"rank{'' if one else 's'} {ranks} left the process group early "
+            f"({'its' if one else 'their'} fn called dist.destroy_process_group() and "
+            f"returned) while rank(s) {stranded} still "
+            "needed it, in their fn or in the launcher's closing barrier: call "
+            "destroy_process_group() in every rank after its last collective, or in none (the "
+            "launcher closes the group once fn returns)")
+    return Failure(left[0], "left", text, min(f.time for f in failures))
 
 
 _FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')

@@ -54,8 +54,9 @@ __all__ = ["check_3d", "batch_shapes", "parallel_stage", "average_gradients", "r
            "ThreeDResult", "forward_flops", "time_layouts"]
 
 
-def check_3d(model: nn.Sequential, shape: tuple[int, int, int], batch: int, microbatches: int) -> None:
-    """One sentence per layout that cannot run this model on this batch."""
+def check_3d(model: nn.Sequential, shape: tuple[int, int, int], batch: int | None,
+             microbatches: int) -> None:
+    """One sentence per layout that cannot run this model on this batch (None: the layout only)."""
     dp, pp, tp = shape
     if min(shape) < 1:
         raise ValueError(f"dp x pp x tp = {shape}: every degree must be at least 1")
@@ -67,7 +68,7 @@ def check_3d(model: nn.Sequential, shape: tuple[int, int, int], batch: int, micr
     if pp > size["layers"] + 2:
         raise ValueError(f"pipeline degree {pp} is more than the model's {size['layers'] + 2} layers "
                          f"(embedding, {size['layers']} transformer layers, head): use pp <= {size['layers'] + 2}")
-    if batch < dp * microbatches:
+    if batch is not None and batch < dp * microbatches:
         raise ValueError(f"a batch of {batch} rows gives dp={dp} ranks fewer than {microbatches} "
                          f"micro-batches each: use batches of at least {dp * microbatches} rows "
                          f"(or fewer micro-batches)")
@@ -79,6 +80,7 @@ def batch_shapes(model: nn.Sequential, shape: tuple[int, int, int], batches,
     pipeline's message shapes (``check_stages`` on that rank's rows: a later batch may be shorter
     or longer than the first, and its messages must be sized from it)."""
     dp, pp, _ = shape
+    check_3d(model, shape, None, microbatches)
     stages, seen, out = split_model(model, pp), {}, []
     for i, (X, Y) in enumerate(batches):
         if X.shape != Y.shape:

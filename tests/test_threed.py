@@ -126,6 +126,66 @@ def test_summed_micro_batch_losses_fail_the_torch_scripts_gradient_check(tmp_pat
                                rtol=1e-4, atol=1e-6)
 
 
+STATE_ARGV = ["--layers", "1", "--heads", "2", "--microbatches", "1", "--batch-size", "3"]
+
+
+def _state_file(copy, path, rows: list[int]):
+    """A --state file: a 1-layer GPT (vocabulary 11, 8 positions, width 16) and batches of ``rows``."""
+    torch.manual_seed(0)
+    model = copy["gpt"](11, 8, 1, 16, 2)
+    g = torch.Generator().manual_seed(1)
+    windows = [torch.randint(0, 11, (r, 9), generator=g) for r in rows]
+    torch.save({"model": model.state_dict(), "batches": [(w[:, :-1], w[:, 1:]) for w in windows]},
+               path)
+    return ["--state", str(path)]
+
+
+def _plain_training(copy, path, lr=3e-3):
+    """The single-process baseline in plain torch: AdamW on each batch's mean loss, whole."""
+    saved = torch.load(path)
+    model = copy["gpt"](11, 8, 1, 16, 2)
+    model.load_state_dict(saved["model"])
+    opt, losses = torch.optim.AdamW(model.parameters(), lr=lr), []
+    for X, Y in saved["batches"]:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(X).flatten(0, 1), Y.flatten())
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def test_torch_3d_script_weighs_each_state_batch_by_its_own_rows(tmp_path, monkeypatch):
+    # batches of 6, 12 and 9 rows on dp=3: each dp group takes a third of each batch (a third of
+    # the first batch, 2 rows, silently dropped half of the second and a third of the third)
+    script = REPO / "d2lpar" / "examples" / "threed_torch.py"
+    copy = load_copy(script, tmp_path, monkeypatch)
+    argv = STATE_ARGV + _state_file(copy, tmp_path / "state.pt", [6, 12, 9])
+    losses, state = _plain_training(copy, tmp_path / "state.pt")
+    ranks = run_in_ranks(tmp_path / script.name, 3, argv + ["--dp", "3"])
+    assert ranks[0]["losses"] == pytest.approx(losses, abs=1e-5)
+    for name, value in state.items():   # the tolerance of _moved_and_equal: the key bias's
+        # exact gradient is 0 (softmax ignores a constant added to a row of scores), and AdamW
+        # turns its float noise into steps of up to lr
+        torch.testing.assert_close(ranks[0]["state"][name], value, rtol=1e-3, atol=2e-4, msg=name)
+
+
+def test_torch_3d_script_refuses_what_it_cannot_serve_before_training(tmp_path, monkeypatch):
+    copy = load_copy(REPO / "d2lpar" / "examples" / "threed_torch.py", tmp_path, monkeypatch)
+    main, Usage = copy["main"], copy["Usage"]
+    (tmp_path / "a_file").write_text("in the way")
+    with pytest.raises(Usage, match=r"^cannot write to --out .*a_file/run \(Not a directory\): "):
+        main(STATE_ARGV + ["--out", str(tmp_path / "a_file" / "run")])
+    with pytest.raises(Usage, match=r"^cannot read --state .*nothing\.pt \(No such file"):
+        main(STATE_ARGV + ["--state", str(tmp_path / "nothing.pt")])
+    state = _state_file(copy, tmp_path / "seven.pt", [9, 7])
+    with pytest.raises(Usage, match=r"^--state's batch 1 has 7 rows, not a multiple of --dp 3"):
+        copy["check_batches"](torch.load(state[1])["batches"], 3, 1, 1)
+    with pytest.raises(Usage, match=r"^--state's batch 1 is \(6, 8\) where batch 0 is \(4, 8\)"):
+        copy["check_batches"]([(torch.zeros(4, 8), torch.zeros(4, 8)),
+                               (torch.zeros(6, 8), torch.zeros(6, 8))], 1, 2, 2)
+
+
 @pytest.mark.parametrize("shape,how", [((4,), "fsdp"), ((2, 2), "fsdp+tp")])
 def test_planner_memory_equals_the_dry_run(shape, how):
     cfg = GPTConfig(layers=2, d=32, heads=4, hidden=128, vocab=256)

@@ -16,7 +16,9 @@ On CPUs (gloo) or a GPU per process (NCCL), as is:
     torchrun --standalone --nproc-per-node=8 threed_torch.py --dp 2 --tp 2 --pp 2 --out run
 
 ``--state FILE`` starts from a ``torch.save``'d {"model": state dict, "batches": [(X, Y), ...]}
-instead of this file's seed and text (how a course checks it against its own runs).
+instead of this file's seed and text (how a course checks it against its own runs); each batch is
+cut into dp equal shares, so its rows must be a multiple of dp (of dp x micro-batches with a
+pipeline, whose batches all have one shape), which is checked before anything starts.
 """
 
 import argparse
@@ -26,6 +28,7 @@ import math
 import os
 import random
 import sys
+import tempfile
 import time
 import warnings
 
@@ -172,6 +175,43 @@ def stage_io(model: nn.Sequential, lo: int, hi: int, rows: int, seq: int, device
     return into, torch.empty(rows, seq, width, device=device, requires_grad=True)
 
 
+def read_state(path: str) -> dict:
+    """--state's file: {"model": a state dict of ``gpt``, "batches": [(X, Y), ...]}."""
+    try:
+        saved = torch.load(path)
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0][:80]
+        raise Usage(f"cannot read --state {path} ({why}): give a file written by torch.save("
+                    "{'model': state_dict, 'batches': [(X, Y), ...]})") from None
+    if not isinstance(saved, dict) or not {"model", "batches"} <= set(saved):
+        raise Usage(f"--state {path} holds no 'model' and 'batches': give a file written by "
+                    "torch.save({'model': state_dict, 'batches': [(X, Y), ...]})")
+    return saved
+
+
+def check_batches(batches, dp: int, pp: int, microbatches: int) -> None:
+    """Each batch cuts into dp equal shares (into dp x microbatches with a pipeline, whose stages are
+    built for one micro-batch shape: every batch then has the first one's shape), so that the dp
+    groups' mean losses and gradients average to the batch's."""
+    if not batches:
+        raise Usage("--state holds no batches: give a list of (X, Y) pairs")
+    unit, first = dp * (microbatches if pp > 1 else 1), tuple(batches[0][0].shape)
+    for i, (X, Y) in enumerate(batches):
+        rows = X.shape[0]
+        if X.shape != Y.shape:
+            raise Usage(f"--state's batch {i} has inputs {tuple(X.shape)} but targets "
+                        f"{tuple(Y.shape)}: give one target per token")
+        if rows == 0 or rows % unit:
+            raise Usage(f"--state's batch {i} has {rows} rows, not a multiple of --dp {dp}"
+                        + (f" x --microbatches {microbatches}" if pp > 1 else "")
+                        + ": each data-parallel group takes an equal share; change a degree, or "
+                        "the batches")
+        if pp > 1 and tuple(X.shape) != first:
+            raise Usage(f"--state's batch {i} is {tuple(X.shape)} where batch 0 is {first}: the "
+                        "pipeline's stages are built for one shape; give batches of one shape, "
+                        "or use --pp 1")
+
+
 def full_state(stage: nn.Module, lo: int, grads: bool = False) -> dict:
     """The stage's parameters (or their gradients), whole (DTensors gathered), under the full
     model's names."""
@@ -212,10 +252,19 @@ def main(argv=None) -> dict:
         raise Usage(f"--tp {a.tp} must divide --heads {a.heads} (and --heads must divide --d {a.d})")
     if a.pp > a.layers + 2:
         raise Usage(f"--pp {a.pp} is more than the {a.layers + 2} layers (embedding, blocks, head)")
-    if a.batch_size % (a.dp * a.microbatches):
+    if not a.state and a.batch_size % (a.dp * a.microbatches):   # --state's: check_batches
         raise Usage(f"--batch-size {a.batch_size} must be a multiple of --dp {a.dp} x --microbatches "
                     f"{a.microbatches} = {a.dp * a.microbatches}: each data-parallel group cuts its "
                     f"rows into equal micro-batches")
+    try:  # fail now, not after training
+        if a.out:
+            os.makedirs(a.out, exist_ok=True)
+            tempfile.TemporaryFile(dir=a.out).close()
+    except OSError as e:
+        raise Usage(f"cannot write to --out {a.out} ({e.strerror}): give a folder you can write")
+    saved = read_state(a.state) if a.state else None
+    if saved is not None:
+        check_batches(saved["batches"], a.dp, a.pp, a.microbatches)
     if not a.cpu and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1)):
         torch.cuda.set_device(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"
@@ -226,16 +275,15 @@ def main(argv=None) -> dict:
     for said in ("FSDP2-wrapped module", "torch.distributed is disabled"):
         warnings.filterwarnings("ignore", message=said)
     try:
-        return train(a, rank, world, device)
+        return train(a, rank, world, device, saved)
     finally:  # also after an error, so that no rank waits for a dead group
         if dist.is_initialized():
             gc.collect()
             dist.destroy_process_group()
 
 
-def train(a, rank: int, world: int, device: torch.device) -> dict:
-    if a.state:
-        saved = torch.load(a.state)
+def train(a, rank: int, world: int, device: torch.device, saved: dict | None = None) -> dict:
+    if saved is not None:
         batches = saved["batches"]
         d, vocab = saved["model"]["0.tok.weight"].shape[1], saved["model"]["0.tok.weight"].shape[0]
         model = gpt(vocab, saved["model"]["0.pos.weight"].shape[0], a.layers, d, a.heads)
@@ -257,16 +305,14 @@ def train(a, rank: int, world: int, device: torch.device) -> dict:
     schedule = None
     if a.pp > 1:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-        rows, seq = batches[0][0].shape
-        if rows % (a.dp * a.microbatches):
-            raise Usage(f"--state's batches have {rows} rows, not a multiple of --dp {a.dp} x "
-                        f"--microbatches {a.microbatches}: change a degree, or the batches")
+        rows, seq = batches[0][0].shape   # every batch's (check_batches)
         into, out = stage_io(model, lo, hi, rows // (a.dp * a.microbatches), seq, device)
         pipe = PipelineStage(stage, stage_index, a.pp, device, input_args=into, output_args=out,
                              group=mesh["pp"].get_group())
         schedule = Schedule1F1B(pipe, a.microbatches, loss_fn=loss_fn)   # grads of the batch's mean loss
-    per, losses, seconds, grads = batches[0][0].shape[0] // a.dp, [], [], None
+    losses, seconds, grads = [], [], None
     for X, Y in batches:
+        per = X.shape[0] // a.dp   # this batch's share: equal, so the dp groups' means average right
         X, Y = X[row * per:(row + 1) * per].to(device), Y[row * per:(row + 1) * per].to(device)
         if world > 1:
             dist.barrier()   # every rank starts the step together

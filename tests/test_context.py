@@ -79,6 +79,20 @@ def test_the_torch_script_says_what_it_needs_on_a_cpu(tmp_path, monkeypatch):
             names["main"]([])
 
 
+def test_the_torch_script_names_the_launcher_variables_it_lacks(tmp_path, monkeypatch):
+    from d2lpar.processes.commands import REPO
+    from tests.torch_only import LAUNCH_VARS, load_copy
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    names = load_copy(REPO / "d2lpar" / "examples" / "context_parallel_torch.py", tmp_path, monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # as on GPUs: past that check
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(names["Usage"], match="^LOCAL_RANK, MASTER_ADDR, MASTER_PORT not set: start "
+                                             "with torchrun"):
+        names["main"](["--seq", "256"])
+
+
 @pytest.mark.cuda
 def test_context_parallel_equals_one_gpu(tmp_path, monkeypatch):
     from d2lpar.processes.commands import REPO

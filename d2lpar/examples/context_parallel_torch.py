@@ -34,6 +34,9 @@ def main(argv=None) -> float:
         raise Usage("context_parallel needs CUDA GPUs in torch 2.14 (the CPU attention kernel has "
                     "no sharding rule): run this on GPUs, or build ring attention by hand "
                     "(notebook 15)")
+    names = ("WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    if "RANK" in os.environ and (missing := [n for n in names if not os.environ.get(n)]):
+        raise Usage(f"{', '.join(missing)} not set: start with torchrun, which sets them with RANK")
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import context_parallel_unshard

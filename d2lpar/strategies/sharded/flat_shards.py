@@ -7,9 +7,10 @@ whatever Psi and N, so reduce-scatter and all-gather move equal chunks, and a co
 buffer is one message per step instead of one per tensor. The course's ring leaves rank r with chunk
 (r+1) mod N after a reduce-scatter, so that is the shard rank r owns: ``own(flat)`` is its slice.
 
-``split_units`` chooses the units: each child module that owns trainable parameters; parameters
-shared between children (tied weights) and the root's own go into a root unit, which stays gathered
-through the whole forward and backward (FSDP2 does the same for its root).
+``split_units`` chooses the units: each child module that owns trainable parameters (the children
+of a ``ModuleList`` or ``ModuleDict``, which is never called itself, are units of their own);
+parameters shared between children (tied weights) and the root's own go into a root unit, which
+stays gathered through the whole forward and backward (FSDP2 does the same for its root).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["shard_size", "padded_numel", "FlatUnit", "split_units"]
+__all__ = ["shard_size", "padded_numel", "FlatUnit", "split_units", "CONTAINERS"]
+
+CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # hold layers but have no forward: never called
 
 
 def shard_size(numel: int, n: int) -> int:
@@ -33,15 +36,15 @@ def padded_numel(unit_numels, n: int) -> int:
 class FlatUnit:
     """A group of parameters sharded together: one flat padded buffer, one shard of it per rank."""
 
-    def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter], n: int, rank: int,
-                 reshard: bool):
+    def __init__(self, name: str, module: nn.Module | None, params: list[nn.Parameter], n: int,
+                 rank: int, reshard: bool, dtype: torch.dtype | None = None):
         self.name, self.module, self.params, self.reshard = name, module, params, reshard
         self.numel = sum(p.numel() for p in params)
         self.S = shard_size(self.numel, n)
         self.padded = n * self.S
         self.lo = (rank + 1) % n * self.S  # the ring finishes chunk (rank+1) mod N on this rank
         first = params[0]
-        self.full = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
+        self.full = torch.zeros(self.padded, dtype=dtype or first.dtype, device=first.device)
         self.views, self.offsets, start = [], [], 0
         for p in params:
             self.views.append(self.full[start:start + p.numel()].view_as(p))
@@ -53,8 +56,8 @@ class FlatUnit:
     def pieces(self) -> list[tuple[int, int, int | None]]:
         """This rank's shard cut by parameter: (start, stop, index in params or None: padding)."""
         out = []
-        for i, (p, o) in enumerate(zip(self.params, self.offsets)):
-            a, b = max(o, self.lo), min(o + p.numel(), self.lo + self.S)
+        for i, (v, o) in enumerate(zip(self.views, self.offsets)):
+            a, b = max(o, self.lo), min(o + v.numel(), self.lo + self.S)
             if a < b:
                 out.append((a - self.lo, b - self.lo, i))
         if self.lo + self.S > max(self.lo, self.numel):
@@ -69,10 +72,21 @@ class FlatUnit:
         return self.padded * self.full.element_size()
 
 
+def _callable_children(module: nn.Module, prefix: str = ""):
+    """(name, child) for every child that gets called: a ModuleList's or ModuleDict's own children
+    instead of the container; a ParameterList or ParameterDict is no layer (its owner uses it)."""
+    for name, child in module.named_children():
+        if isinstance(child, CONTAINERS):
+            yield from _callable_children(child, f"{prefix}{name}.")
+        elif not isinstance(child, (nn.ParameterList, nn.ParameterDict)):
+            yield prefix + name, child
+
+
 def split_units(module: nn.Module, trainable: list[nn.Parameter]):
-    """Default units: each child that owns trainable parameters; shared and direct ones go to the root."""
+    """Default units: each called child that owns trainable parameters; shared and direct ones (and
+    those of a ParameterList) go to the root."""
     owners: dict[int, set] = {}
-    children = list(module.named_children())
+    children = list(_callable_children(module))
     for cname, child in children:
         for p in child.parameters():
             owners.setdefault(id(p), set()).add(cname)

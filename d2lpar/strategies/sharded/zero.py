@@ -29,6 +29,11 @@ N (3 ranks too); the padding stays zero through AdamW. The formulas take the pad
 the unpadded ones when N divides every unit. Frozen parameters are not sharded (every rank keeps them).
 AdamW runs on the pieces of a shard, one per parameter (and one for the padding), so each piece keeps
 its own step count, as torch keeps one per parameter.
+
+Stage 3 is built on ``fsdp.shard`` (the sharding wrapper: after backward each piece's ``.grad`` is
+the mean gradient, so any optimizer can step it); ZeroAdamW adds AdamW and the measurements. Stages 1
+and 2 keep the parameters whole and need no module: ``ZeroAdamW(model.parameters())`` shards the
+optimizer state of any parameters, as ``torch.optim`` optimizers take them.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from torch import nn
 
 from d2lpar.comm.collectives import ByteCounter, ring_all_gather, ring_rank_bytes, ring_reduce_scatter
 from d2lpar.infra.adamw import AdamW, check_hyperparameters
+from d2lpar.strategies.sharded import fsdp
 from d2lpar.strategies.sharded.flat_shards import FlatUnit, padded_numel, shard_size, split_units
 
 __all__ = ["STAGES", "shard_size", "padded_numel", "model_state_bytes", "sent_bytes", "ZeroAdamW"]
@@ -72,20 +78,43 @@ class ZeroAdamW:
     (a mean loss) and ``opt.step()``. The result equals single-process AdamW on the whole batch.
     ``counter`` counts the bytes this rank sends and receives; ``held()`` measures the bytes it keeps.
     At construction every parameter and buffer (trainable or not) takes rank 0's values, as DDP does.
+    Stage 3 shards each unit with ``fsdp.shard_unit``: between steps ``model.state_dict()`` gives this
+    rank's pieces (1-D), ``full_state_dict()`` the full tensors.
+
+    ``ZeroAdamW(params, stage=1)`` takes parameters as a ``torch.optim`` optimizer does: plain ones
+    get stage 1 (the default) or 2, all of them one unit (one flat buffer, as DeepSpeed flattens a
+    parameter group); the parameters of modules sharded with ``fsdp.shard`` get stage 3, which they
+    already are (leave ``stage`` out): AdamW on this rank's pieces of them.
 
     A parameter whose ``.grad`` is None on every rank at ``step()`` (a layer this step did not use) is
     not stepped, as ``torch.optim.AdamW`` skips it after ``zero_grad(set_to_none=True)``: no weight
     decay, no moment update, its step count unchanged; a unit none of whose parameters got a gradient
     is neither reduced nor gathered. One small all-reduce per step (not counted in ``counter``) lets the
-    ranks agree on this. As with FSDP, every rank must use the same layers in a step.
+    ranks agree on this. As with FSDP, every rank must use the same layers in a step. ``step()``
+    leaves the gradients zeroed.
     """
 
-    def __init__(self, model: nn.Module, stage: int, lr: float = 1e-3, betas=(0.9, 0.999),
+    def __init__(self, params, stage: int | None = None, lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, reshard_after_forward: bool = True,
                  prefetch: bool = False):
+        model = params if isinstance(params, nn.Module) else None
+        given = None if model is not None else _parameter_list(params)
+        sharded = given is not None and any(fsdp.unit_of(p) is not None for p in given)
+        if model is not None and stage is None:
+            raise ValueError("ZeroAdamW(model, stage) needs the stage: 1 shards the optimizer state, "
+                             "2 also the gradients, 3 also the parameters")
+        stage = stage if stage is not None else (3 if sharded else 1)
         if stage not in STAGES:
             raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}: 1 shards the optimizer "
                              "state, 2 also the gradients, 3 also the parameters")
+        if sharded and stage != 3:
+            raise ValueError(f"these parameters are sharded already (fsdp.shard), which is stage 3: "
+                             f"leave stage out, or pass the parameters of an unsharded model for "
+                             f"stage {stage}")
+        if given is not None and not sharded and stage == 3:
+            raise ValueError("stage 3 shards the parameters themselves, which needs the modules that "
+                             "use them: pass the model (ZeroAdamW(model, 3)), or fsdp.shard its "
+                             "layers first and pass model.parameters()")
         check_hyperparameters(lr, betas, eps, weight_decay)
         if not dist.is_initialized():
             raise RuntimeError("ZeroAdamW shards over a process group, and none is initialised: run"
@@ -93,17 +122,50 @@ class ZeroAdamW:
         self.model, self.stage, self.prefetch = model, stage, prefetch
         self.n, self.rank = dist.get_world_size(), dist.get_rank()
         self.counter = ByteCounter()
-        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.sharding: fsdp.Sharding | None = None
+        self._params = list(model.parameters()) if model is not None else given
+        self._whole: list[nn.Parameter] = []
+        if sharded:  # stage 3 by fsdp.shard already: AdamW on the pieces (and the whole ones given)
+            self.units = []
+            for p in given:
+                u = fsdp.unit_of(p)
+                if u is None:
+                    self._whole.append(p)
+                elif all(u is not v for v in self.units):
+                    self.units.append(u)
+            self.sharding = self.units[0].sharding
+            self.counter = self.sharding.counter
+            self._adamw_on_pieces(lr, betas, eps, weight_decay, chosen={id(p) for p in given})
+            return
+        trainable = [p for p in self._params if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no trainable parameters: nothing to shard")
         if len({(p.dtype, p.device) for p in trainable}) > 1:
             raise ValueError("ZeroAdamW needs all trainable parameters on one device, one dtype")
+        if model is not None and any(getattr(m, "_d2lpar_sharding", None) for m in model.modules()):
+            raise ValueError("this model is sharded already (fsdp.shard or an earlier ZeroAdamW): "
+                             "build a fresh model, or pass model.parameters() to use its shards")
         self._agree_on_parameters()
-        self.units = [FlatUnit(name, mod, ps, self.n, self.rank,
-                               reshard_after_forward and name != "(root)")
-                      for name, mod, ps in split_units(model, trainable)]
-        self.live = self.peak_gathered = self.peak_grad = 0
         self._broadcast_the_rest(trainable)
+        if model is not None:
+            units = split_units(model, trainable)
+        else:
+            units = [("(parameters)", None, trainable)]
+        if stage == 3:
+            self.sharding = fsdp.Sharding(self.counter, prefetch)
+            self.units = [fsdp.shard_unit(name, mod, ps, self.sharding,
+                                          reshard_after_forward and name != "(root)")
+                          for name, mod, ps in units]
+            self._adamw_on_pieces(lr, betas, eps, weight_decay)
+            return
+        self._lay_out(units, lr, betas, eps, weight_decay)
+
+    # ------------------------------------------------------------------------------ construction
+
+    def _lay_out(self, units, lr, betas, eps, weight_decay) -> None:
+        """Stages 1 and 2: each unit's parameters become views into its flat buffer; the shard is a
+        view of the buffer too, and AdamW runs on the shard's pieces."""
+        self.units = [FlatUnit(name, mod, ps, self.n, self.rank, False) for name, mod, ps in units]
         for u in self.units:
             with torch.no_grad():
                 for p, v in zip(u.params, u.views):
@@ -111,12 +173,8 @@ class ZeroAdamW:
                 dist.broadcast(u.full, 0)  # start from rank 0's values (the rest: above)
                 for p, v in zip(u.params, u.views):
                     p.data = v  # parameters become views into the flat buffer
-            if stage < 3:
-                u.shard = nn.Parameter(u.own(u.full))  # a view: updating it updates the buffer
-            else:
-                u.shard = nn.Parameter(u.own(u.full).clone())
-                self._free(u)
-            if stage == 1:
+            u.shard = nn.Parameter(u.own(u.full))  # a view: updating it updates the buffer
+            if self.stage == 1:
                 u.grad_full = torch.zeros_like(u.full)
                 u.shard.grad = u.own(u.grad_full)
                 self._attach_grad_views(u)
@@ -129,13 +187,25 @@ class ZeroAdamW:
         self.opt = AdamW([seg for u in self.units for seg, _, _ in u.segments], lr=lr, betas=betas,
                          eps=eps, weight_decay=weight_decay)  # elementwise: runs on pieces as they are
 
-    # ------------------------------------------------------------------------------ construction
+    def _adamw_on_pieces(self, lr, betas, eps, weight_decay, chosen=None) -> None:
+        """Stage 3: AdamW on each unit's pieces, the module's own Parameters (their ``.grad`` set by
+        fsdp's reduce-scatter), plus the padding, so the state covers the whole shard."""
+        for u in self.units:
+            u.segments = [(u.params[i] if i is not None else nn.Parameter(u.shard.detach()[a:b]),
+                           u.shard.grad[a:b], i) for a, b, i in u.pieces()
+                          if i is None or chosen is None or id(u.params[i]) in chosen]
+        self.opt = AdamW([seg for u in self.units for seg, _, _ in u.segments] + self._whole, lr=lr,
+                         betas=betas, eps=eps, weight_decay=weight_decay)
 
     def _agree_on_parameters(self) -> None:
-        named = list(self.model.named_parameters())
+        if self.model is not None:
+            named = list(self.model.named_parameters())
+            buffers = list(self.model.named_buffers())
+        else:
+            named, buffers = [(str(i), p) for i, p in enumerate(self._params)], []
         trainable = [(name, tuple(p.shape), str(p.dtype)) for name, p in named if p.requires_grad]
         rest = [(name, tuple(t.shape), str(t.dtype)) for name, t in
-                [(n, p) for n, p in named if not p.requires_grad] + list(self.model.named_buffers())]
+                [(n, p) for n, p in named if not p.requires_grad] + buffers]
         every = [None] * self.n
         dist.all_gather_object(every, (trainable, rest))
         for what, k in (("trainable parameters", 0), ("frozen parameters and buffers", 1)):
@@ -151,7 +221,8 @@ class ZeroAdamW:
     def _broadcast_the_rest(self, trainable: list[nn.Parameter]) -> None:
         """Frozen parameters and buffers take rank 0's values too (the trainable ones: with the units)."""
         ids = {id(p) for p in trainable}
-        rest = [p for p in self.model.parameters() if id(p) not in ids] + list(self.model.buffers())
+        buffers = list(self.model.buffers()) if self.model is not None else []
+        rest = [p for p in self._params if id(p) not in ids] + buffers
         for t in rest:
             data = t.data if t.is_contiguous() else t.data.contiguous()
             wire = data.view(torch.uint8) if data.dtype == torch.bool else data
@@ -167,56 +238,10 @@ class ZeroAdamW:
             p.grad = g
 
     def _register_hooks(self, u: FlatUnit) -> None:
-        """Every stage: a hook per parameter once autograd has accumulated its gradient.
-        Stage 3: gather before the unit's forward, free after it (and regather for backward)."""
+        """Stages 1 and 2: a hook per parameter once autograd has accumulated its gradient (stage 3's
+        hooks are fsdp's: ``Sharding._register_hooks``)."""
         for i, p in enumerate(u.params):
             p.register_post_accumulate_grad_hook(lambda p, u=u, i=i: self._grad_ready(u, i))
-        if self.stage == 3:
-            u.module.register_forward_pre_hook(lambda m, a, u=u: self._before_forward(u))
-            u.module.register_forward_hook(lambda m, a, out, u=u: self._after_forward(u, out))
-
-    # ------------------------------------------------------------------------- gather and free
-
-    def _gather(self, u: FlatUnit, counter: ByteCounter | None = None) -> None:
-        if u.gathered:
-            return
-        u.full.untyped_storage().resize_(u.nbytes)
-        with torch.no_grad():
-            u.own(u.full).copy_(u.shard)
-            ring_all_gather(u.full, counter or self.counter)
-        u.gathered = True
-        self.live += u.nbytes
-        self.peak_gathered = max(self.peak_gathered, self.live)
-
-    def _free(self, u: FlatUnit) -> None:
-        if u.gathered:
-            u.full.untyped_storage().resize_(0)
-            u.gathered = False
-            self.live = max(0, self.live - u.nbytes)
-
-    def _neighbour(self, u: FlatUnit, step: int):
-        i = self.units.index(u) + step
-        if 0 <= i < len(self.units) and self.units[i].reshard:
-            return self.units[i]
-
-    def _before_forward(self, u: FlatUnit) -> None:
-        self._gather(u)
-        if self.prefetch and (nxt := self._neighbour(u, +1)) is not None:
-            self._gather(nxt)
-
-    def _after_forward(self, u: FlatUnit, out) -> None:
-        if u.reshard:
-            self._free(u)
-        if torch.is_grad_enabled():
-            outs = out if isinstance(out, (tuple, list)) else (out,)
-            for t in outs:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda g, u=u: self._before_backward(u))
-
-    def _before_backward(self, u: FlatUnit) -> None:
-        self._gather(u)
-        if self.prefetch and (prev := self._neighbour(u, -1)) is not None:
-            self._gather(prev)
 
     # ------------------------------------------------------------------------------- gradients
 
@@ -244,7 +269,7 @@ class ZeroAdamW:
                     elif p.grad.data_ptr() != g.data_ptr():  # someone replaced .grad: take it
                         g.copy_(p.grad)
                         u.had[i] = True
-                elif p.grad is not None:  # stage 2 and 3: not yet reduced, or set by hand
+                elif p.grad is not None:  # stage 2: not yet reduced, or set by hand
                     u.had[i] = True
                 mine.append(u.had[i])
             mine.append(u.reduced)
@@ -262,7 +287,7 @@ class ZeroAdamW:
         return out
 
     def _reduce_unit(self, u: FlatUnit) -> None:
-        """Stages 2 and 3: reduce-scatter the unit's gradient now, keep the shard, drop the rest."""
+        """Stage 2: reduce-scatter the unit's gradient now, keep the shard, drop the rest."""
         flat = torch.zeros(u.padded, dtype=u.full.dtype, device=u.full.device)
         start = 0
         for p in u.params:
@@ -270,18 +295,19 @@ class ZeroAdamW:
                 flat[start:start + p.numel()].copy_(p.grad.view(-1))
             p.grad = None
             start += p.numel()
-        self.peak_grad = max(self.peak_grad, flat.numel() * flat.element_size())
         ring_reduce_scatter(flat, self.counter)
         u.shard.grad.add_(u.own(flat))
         u.ready, u.reduced = 0, True
-        if self.stage == 3:
-            self._free(u)
 
     def step(self) -> None:
         """Reduce what is left, update this rank's shards with AdamW, share the result.
 
-        Parameters that got no gradient on any rank this step are skipped (see the class).
+        Parameters that got no gradient on any rank this step are skipped (see the class). Stage 3:
+        fsdp reduced every gradient in backward (means already); AdamW steps the pieces, the next
+        forward gathers them.
         """
+        if self.stage == 3:
+            return self._step_pieces()
         used = self._collect_gradients()  # per unit, per parameter: a gradient on some rank?
         for u, got in zip(self.units, used):
             for seg, grad, i in u.segments:  # AdamW skips a piece whose .grad is None
@@ -300,14 +326,23 @@ class ZeroAdamW:
                 self._attach_grad_views(u)
             else:
                 u.shard.grad.zero_()
-            if self.stage < 3 and any(got):
+            if any(got):
                 ring_all_gather(u.full, self.counter)
-            elif self.stage == 3:
-                self._free(u)  # the next forward gathers the new values
             u.had, u.reduced = [False] * len(u.params), False
+
+    def _step_pieces(self) -> None:
+        for u in self.units:  # the padding is stepped with its unit (it stays zero)
+            got = any(p.grad is not None for p in u.params)
+            for seg, grad, i in u.segments:
+                if i is None:
+                    seg.grad = grad if got else None
+        self.opt.step()
+        self.zero_grad()
 
     def zero_grad(self) -> None:
         """Gradients are zeroed by ``step``; this clears any a forward/backward left since."""
+        for p in self._whole:
+            p.grad = None
         for u in self.units:
             u.had, u.reduced = [False] * len(u.params), False
             if self.stage == 1:
@@ -316,10 +351,15 @@ class ZeroAdamW:
             else:
                 u.shard.grad.zero_()
                 u.ready = 0
-                for p in u.params:
+                for p in (*u.params, *getattr(u, "unsharded", ())):
                     p.grad = None
 
     # -------------------------------------------------------------------------------- measuring
+
+    @property
+    def peak_gathered(self) -> int:
+        """Stage 3: the most bytes of gathered units held at once during the steps (else 0)."""
+        return self.sharding.peak_gathered if self.sharding is not None else 0
 
     def numel(self) -> int:
         """Psi as stored: trainable parameters, every unit padded to a multiple of N."""
@@ -348,20 +388,38 @@ class ZeroAdamW:
         if self.stage == 3:
             params += sum(u.shard.nbytes for u in self.units)
         grads = [u.grad_full if self.stage == 1 else u.shard.grad for u in self.units]
-        grads += [p.grad for p in self.model.parameters() if p.requires_grad and p.grad is not None]
+        grads += [p.grad for u in self.units for p in getattr(u, "unsharded", ())
+                  if p.grad is not None]
+        grads += [p.grad for p in self._params if p.requires_grad and p.grad is not None]
         storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in grads}
         return {"params": params, "grads": sum(storages.values()), "optimizer": self.opt.state_bytes()}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state, on every rank (a collective with stage 3: call it on all ranks)."""
-        spare = ByteCounter()  # not counted as training traffic
-        was, peak = [u.gathered for u in self.units], self.peak_gathered
-        for u in self.units:
-            self._gather(u, spare)
-        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        if self.model is None:
+            raise ValueError("ZeroAdamW was given parameters, not the model: call "
+                             "fsdp.full_state_dict(model) (stage 3) or read model.state_dict() "
+                             "(stages 1 and 2 keep the parameters whole)")
         if self.stage == 3:
-            for u, g in zip(self.units, was):
-                if not g:
-                    self._free(u)
-        self.peak_gathered = peak  # the peak measures training steps, not this read-out
-        return state
+            return fsdp.full_state_dict(self.model)
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+
+def _parameter_list(params) -> list[nn.Parameter]:
+    """``params`` as a torch optimizer takes them: tensors (parameter-group dicts are refused)."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError("ZeroAdamW takes an iterable of parameters (model.parameters()) or a model,"
+                        " not one tensor: wrap it in a list")
+    out, seen = [], set()
+    for p in params:
+        if isinstance(p, dict):
+            raise TypeError("ZeroAdamW takes one learning rate for all its parameters: pass the "
+                            "parameters themselves, not parameter-group dicts")
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"ZeroAdamW takes parameters (tensors), got a {type(p).__name__}")
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    if not out:
+        raise ValueError("ZeroAdamW got an empty list of parameters: pass model.parameters()")
+    return out

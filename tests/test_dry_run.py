@@ -73,5 +73,6 @@ def test_a_model_that_is_not_the_dry_runs_gpt_and_an_empty_batch_are_one_sentenc
     with pytest.raises(TypeError, match=r"model_fn built a Linear: the dry run shards and trains "
                                         r"dry_run.GPT"):
         dry_run(lambda: torch.nn.Linear(4, 4), (2,), "fsdp")
-    with pytest.raises(ValueError, match=r"batch=0, seq=8: give at least one sequence of one token"):
+    with pytest.raises(ValueError, match=r"batch=0, seq=8: give at least one sequence of one "
+                                         r"token"):
         dry_run(lambda: GPT(CONFIGS[0]), (2,), "fsdp", batch=0, seq=8)

@@ -192,7 +192,8 @@ def test_checkpointing_updates_batchnorms_running_statistics_once_as_the_plain_m
         for _ in range(2):
             m(x).square().sum().backward()
         runs[mode] = m.state_dict(), [p.grad for p in m.parameters()]
-    assert not torch.equal(before["layers.0.1.running_mean"], runs["none"][0]["layers.0.1.running_mean"])
+    mean = "layers.0.1.running_mean"
+    assert not torch.equal(before[mean], runs["none"][0][mean])   # the statistics moved
     for mode in ("full", "selective"):
         for k, v in runs["none"][0].items():
             assert torch.equal(runs[mode][0][k], v), (mode, k)
@@ -202,7 +203,8 @@ def test_checkpointing_updates_batchnorms_running_statistics_once_as_the_plain_m
 def test_selective_checkpointing_refuses_an_in_place_layer_in_one_sentence():
     with pytest.raises(ValueError, match=r"selective checkpointing keeps the outputs of the ops it "
                                          r"saves, and layers.0.1 \(ReLU\(inplace=True\)\) changes "
-                                         r"its input in place .*: use inplace=False, or mode='full'"):
+                                         r"its input in place .*: use inplace=False, or "
+                                         r"mode='full'"):
         CheckpointedStack([nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True))], "selective")
     CheckpointedStack([nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True))], "full")
 
@@ -218,7 +220,8 @@ def test_fp8_refuses_an_operand_that_is_not_finite_in_one_sentence():
                                              r"\(3, 2\)\): fp8 cannot carry it"):
             fp8.fp8_matmul(a, b, **kw)
     b[0, 5] = float("nan")
-    with pytest.raises(ValueError, match=r"b has 1 entry that is inf or nan \(the first at \(0, 5\)\)"):
+    with pytest.raises(ValueError, match=r"b has 1 entry that is inf or nan \(the first at "
+                                         r"\(0, 5\)\)"):
         fp8.fp8_matmul(torch.randn(16, 32), b)
 
 

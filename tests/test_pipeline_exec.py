@@ -232,10 +232,12 @@ def test_a_first_stage_without_parameters_and_a_pipeline_without_any_equal_one_p
         opt.step()
     assert not torch.equal(start[0], ref[1].weight)
     torch.testing.assert_close(res.losses, losses, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(res.params[1]["weight"], ref[1].weight.detach(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(res.params[1]["weight"], ref[1].weight.detach(), rtol=1e-5,
+                               atol=1e-7)
     free = [nn.ReLU(), nn.Tanh(), nn.Sigmoid()]        # no parameters anywhere: a loss, no step
     res = run_pipeline(P.zb_h1(3, 3), free, [(X, X.flip(0))], loss_fn=nn.functional.mse_loss)
-    assert res.losses == pytest.approx([nn.functional.mse_loss(nn.Sequential(*free)(X), X.flip(0)).item()])
+    one = nn.functional.mse_loss(nn.Sequential(*free)(X), X.flip(0))
+    assert res.losses == pytest.approx([one.item()])
 
 
 def test_targets_that_do_not_fit_the_inputs_are_named_before_any_rank_starts(no_launch):

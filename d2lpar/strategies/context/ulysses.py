@@ -74,8 +74,8 @@ def ulysses_attention(q, k, v, causal: bool = False, counter: dict | None = None
         raise ValueError(f"Ulysses splits the {heads} heads over {n} ranks: the heads must divide "
                          f"evenly; use a number of ranks that divides {heads} (or ring attention)")
     if kv % n:
-        raise ValueError(f"Ulysses splits the {kv} key/value heads over {n} ranks: they must divide "
-                         f"evenly; use a number of ranks that divides {kv} (or repeat the "
+        raise ValueError(f"Ulysses splits the {kv} key/value heads over {n} ranks: they must "
+                         f"divide evenly; use a number of ranks that divides {kv} (or repeat the "
                          f"key/value heads, or ring attention)")
     q, k, v = (seq_to_heads(t, counter) for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv != heads)

@@ -21,7 +21,8 @@ longer by (p - m) units: the FORMULAS entry for m < p describes that generator's
 figure of the paper.
 
 Activation memory, in micro-batches held per stage s: GPipe m; 1F1B min(p - s, m); ZB-H1 min(p, m)
-on every stage (until W).
+on every stage (until W); interleaved 1F1B, the chunks of its warm-up plus one, over v
+(``stage_peak``). The planner's bubble is idle over busy time, i / (1 - i) (``bubble_ratio``).
 
 Two checks a notebook can run and fail: ``ordering_claims`` (for m >= p and v = 2 the bubbles order
 ZB-H1 < interleaved 1F1B < 1F1B == GPipe; measured figures are held only to the claims whose margin
@@ -31,8 +32,10 @@ meets the formula for every p and m asked).
 
 from __future__ import annotations
 
+import functools
+
 __all__ = ["idle_fraction", "megatron_ratio", "peak_microbatches", "FORMULAS", "ordering_claims",
-           "against_simulator"]
+           "against_simulator", "bubble_ratio", "stage_peak"]
 
 FORMULAS = {
     "naive": "(p - 1) / p",
@@ -61,6 +64,31 @@ def idle_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
 def megatron_ratio(p: int, m: int, v: int = 1) -> float:
     """Bubble time over ideal compute time, (p - 1) / (v m)."""
     return (p - 1) / (v * m)
+
+
+def bubble_ratio(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """Bubble time over busy time, i / (1 - i) for the idle fraction i: (p - 1) / m for GPipe and
+    1F1B (``megatron_ratio``), (p - 1) / (v m) interleaved, (p - 1 + max(0, p - m)) / (3 m) for
+    ZB-H1 (in units of tF = tI = tW)."""
+    i = idle_fraction(schedule, p, m, v)
+    return i / (1 - i)
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_peak(schedule: str, p: int, m: int, v: int = 1, stage: int = 0) -> float:
+    """The most micro-batches' worth of its activations ``stage`` holds at once.
+
+    GPipe, 1F1B and ZB-H1: ``peak_microbatches``. Interleaved 1F1B
+    (``strategies.pipeline.schedules.interleaved_1f1b``): rank r runs 2(p - 1 - r) + (v - 1) p
+    forward chunks before its first backward (all v m when m = p), one more in the steady state,
+    each chunk 1/v of the stage: on the first rank p + (p - 1)/v micro-batches for m > p,
+    Korthikanti et al. 2022's factor 1 + (p - 1)/(p v) over 1F1B's p (section 4.2.3)."""
+    if schedule != "interleaved 1F1B" or v == 1:
+        name = "1F1B" if schedule == "interleaved 1F1B" else schedule
+        return float(peak_microbatches(name, p, m)[stage])
+    total = v * m
+    warm = total if m == p else min(2 * (p - 1 - stage) + (v - 1) * p, total)
+    return min(warm + 1, total) / v
 
 
 def peak_microbatches(schedule: str, p: int, m: int) -> list[int]:

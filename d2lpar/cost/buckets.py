@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from d2lpar.cost.costmodel import Machine, allreduce_time
-from d2lpar.strategies.data.ddp import assign_buckets
 
 __all__ = ["BucketRun", "bucket_schedule", "best_cap", "uniform_step", "uniform_best_cap",
            "ring_terms", "fit_terms", "against_measured", "TORCH_FIRST_BUCKET"]
@@ -74,6 +73,8 @@ def bucket_schedule(layers: Sequence[tuple[float, int]], cap: int,
                     first_cap: int | None = None) -> BucketRun:
     """``layers``: (backward seconds, gradient bytes) in the order backward reaches them;
     ``first_cap``: the first bucket's cap (torch's default: ``TORCH_FIRST_BUCKET``)."""
+    from d2lpar.strategies.data.ddp import assign_buckets   # torch: imported only when needed
+
     ready_at, t = [], 0.0
     for seconds, _ in layers:
         t += seconds

@@ -1,7 +1,7 @@
 """The planner: every term is a formula the course teaches (checked against that formula here), the
 plans fit and come fast, and the command line answers or refuses in one sentence.
 
-Cost: about 15 s on a quiet 2-core machine (two searches: GPT-3 on 1,024 A100s and Llama 3 405B on
+Cost: about 6 s here (two searches: GPT-3 on 1,024 A100s and Llama 3 405B on
 16,384 H100s; the rest is arithmetic and in-process command lines).
 """
 

@@ -5,7 +5,7 @@ The runs are priced with ``published.published_runs`` (its docstring lists what 
 unsaid and how it is assumed); each test cites its table. Where the planner does not come within
 15 % the test holds it to the figure it reaches and its docstring says which assumption is missing.
 
-Cost: about 3 s (13 layouts priced, a few of them 3 to 8 times for the interleaved schedule).
+Cost: about 2 s (13 layouts priced, Llama 3's 4 times each for the interleaved schedule's v).
 """
 
 import functools

@@ -116,6 +116,16 @@ def test_judge_names_the_first_step_and_what_left_the_band():
         == "gradient norm"
     nan = C.Run([math.nan] * 4)
     assert C.judge(Layout(), nan, band).first == 1
+    # every rank's part of the weights is compared: one rank's copy 5 bands away is caught
+    full = lambda w: {n: (tuple(slice(0, m) for m in v.shape), v) for n, v in w.items()}  # noqa
+    near = {k: [full(w)] * 2 for k, w in ref.weights.items()}
+    assert C.judge(Layout(), C.Run(list(ref.losses), dict(ref.grad_norms), copies=near),
+                   band).first is None
+    moved = dict(ref.weights[4])
+    moved["1.fc2.bias"] = moved["1.fc2.bias"] + 5 * band.weights[4]
+    far = {**near, 4: [full(ref.weights[4]), full(moved)]}
+    verdict = C.judge(Layout(), C.Run(list(ref.losses), dict(ref.grad_norms), copies=far), band)
+    assert verdict.line() == "1 rank: outside the band from step 4 (weights)"
 
 
 def pp_keyed(d: Draw) -> torch.Tensor:

@@ -155,8 +155,8 @@ class Verdict:
     def detail(self) -> str:
         if self.first is None:
             return f"{self.layout.name}: within the band (at most {self.by:.2f} of it)"
-        return (f"{self.layout.name}: outside the band from step {self.first} ({self.what}: "
-                f"{self.by:.3g} times the band)")
+        return (f"{self.layout.name}: outside the band from step {self.first} ({self.what}, "
+                f"{self.by:.2g} x the band)")
 
 
 def judge(lay: Layout, run: Run, band: Band) -> Verdict:
@@ -167,7 +167,7 @@ def judge(lay: Layout, run: Run, band: Band) -> Verdict:
         if k in run.grad_norms:
             found.append(("gradient norm", abs(run.grad_norms[k] - ref.grad_norms[k]) /
                           band.grad_norm[k]))
-        if k in run.weights:
+        if k in run.weights or k in run.copies:
             found.append(("weights", _weights_error(run, k, ref) / band.weights[k]))
         for what, by in found:
             if not by <= 1:    # NaN is outside too
@@ -185,7 +185,9 @@ def _distance(weights: dict, ref: dict) -> float:
 def _weights_error(run: Run, k: int, ref: Run) -> float:
     """The largest distance from one device's of what one rank holds (its parts of the weights)."""
     worst, want = 0.0, ref.weights[k]
-    for parts in run.copies.get(k, []):
+    every = run.copies.get(k) or [{n: (tuple(slice(0, m) for m in v.shape), v)
+                                   for n, v in run.weights[k].items()}]
+    for parts in every:
         squares = sum(float((t.double() - want[name][index].double()).pow(2).sum())
                       for name, (index, t) in parts.items())
         worst = max(worst, math.sqrt(squares))

@@ -6,7 +6,7 @@ the pipeline rank, a per-sequence loss, every rank drawing its own weights from 
 Notebook 18 runs 2 and 8 ranks (every kind, fp32 and bf16, and its five planted bugs); these tests
 run what it does not: 3 ranks (uneven shares of an 8-row batch, ZeRO's padding, a 3-stage pipeline,
 a 3-way ring) and 5 ranks (tensor parallelism over 5 heads, sequence parallel). Cost here (2 cores,
-a load of 6-8): 6-9 s, the two launches most of it.
+a load of 7-9): 9-11 s, the two launches most of it (a session's first launch adds about 2 s).
 """
 
 import math
@@ -154,13 +154,11 @@ def test_three_ranks_within_and_planted_rules_outside():
     good = [Layout("zero", dp=3, zero=2), Layout(pp=3, microbatches=3), Layout(cp=3),
             Layout(dp=3, microbatches=2)]
     bad = [Layout(pp=3, microbatches=3, dropout=pp_keyed, label="dropout keyed by pp rank"),
-           Layout(pp=3, microbatches=8, loss=per_sequence, label="per-sequence mean"),
-           Layout(dp=3, data=R.same_rows, label="same rows")]
+           Layout(pp=3, microbatches=8, loss=per_sequence, label="per-sequence mean")]
     report = C.check_layouts(cfg, batches, good + bad, checks=(1, 3))
     assert report.lines()[:len(good)] == [f"{lay.name}: within the band" for lay in good]
     assert report["dropout keyed by pp rank"].line().endswith("from step 1 (loss)")
     assert report["per-sequence mean"].line().endswith("from step 1 (gradient norm)")
-    assert report["same rows"].line().endswith("from step 1 (loss)")
 
 
 def test_five_ranks_tensor_parallel_and_copied_shards():

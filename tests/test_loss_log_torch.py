@@ -3,7 +3,7 @@
 Notebook 18 runs it on 2 ranks (DDP and fully_shard against one process, within the band); here, a
 copy with d2lpar blocked runs on 3 ranks, started by the course's launcher with torchrun's variables
 (a torchrun start costs 5-9 s here): DDP within the band of one process, the planted per-rank mean
-outside it from step 1, and every bad input one sentence. Cost here: 2-4 s.
+outside it from step 1, and every bad input one sentence. Cost here (2 cores, a load of 7-9): 3-4 s.
 """
 
 import json

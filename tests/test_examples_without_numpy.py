@@ -14,7 +14,8 @@ worker (``tests/numpy_hidden.py``) proves that its torch has no numpy (``import 
 then runs every torch-only script that runs on CPUs, one after another, with small arguments:
 pipeline_torch (1F1B), threed_torch (pp 2), fsdp_tp_torch (saved on dp 1 x tp 2, resumed on
 dp 2 x tp 1), ddp_torch's check that no two ranks share a GPU (on faked GPU ids), memory_torch,
-debug_torch and ddp_torch. A torchrun start costs 5-9 s here, so one launch of 2 ranks serves them
+debug_torch, ddp_torch and loss_log_torch (tensor parallel: DTensor and plain gradients in one
+norm, the loss summed over a data-parallel group of one). A torchrun start costs 5-9 s here, so one launch of 2 ranks serves them
 all (2 ranks reach every path that sends objects: a stage's neighbour, DCP's plan, the gather).
 That each script equals one process is tested elsewhere (tests/test_pipeline_torch.py,
 test_threed.py, test_fsdp_tp_torch.py, test_examples_torch_only.py, with numpy); checked here:
@@ -107,7 +108,8 @@ def test_torch_only_scripts_under_torchrun_without_numpy(tmp_path):
             main("memory_torch", "--steps", "2"),
             main("debug_torch"),
             main("ddp_torch", "--out", "ddp", "--epochs", "1", "--examples", "256",
-                 "--batch-size", "32")]
+                 "--batch-size", "32"),
+            main("loss_log_torch", "train", "--layout", "tp", "--out", "tp.jsonl", "--steps", "2")]
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     hide = hide_numpy(tmp_path / "hide")
     path = os.pathsep.join(p for p in (str(hide), os.environ.get("PYTHONPATH")) if p)
@@ -129,6 +131,8 @@ def test_torch_only_scripts_under_torchrun_without_numpy(tmp_path):
     assert out.count("['ok', \"ranks 0 and 1 were given the same GPU (GPU-0): start one") == 2
     assert "rank 1: step 2, loss" in out and out.count("finished") >= 2
     assert "rank 0 of 2 (cpu): epoch 1" in out
+    assert "rank 0 of 2 (tp, cpu): step 2, loss" in out
+    assert len((tmp_path / "tp.jsonl").read_text().splitlines()) == 2   # rank 0 logged both steps
 
     fsdp = runpy.run_path(str(EXAMPLES / "fsdp_tp_torch.py"), run_name="one_process")
     fsdp["main"](["--out", str(tmp_path / "one"), "--cpu"])  # steps 1-4 in one process

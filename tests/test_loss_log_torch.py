@@ -1,9 +1,11 @@
 """d2lpar/examples/loss_log_torch.py (torch only): its logs of two layouts compared in one command.
 
-Notebook 18 runs it on 2 ranks (DDP and fully_shard against one process, within the band); here, a
-copy with d2lpar blocked runs on 3 ranks, started by the course's launcher with torchrun's variables
-(a torchrun start costs 5-9 s here): DDP within the band of one process, the planted per-rank mean
-outside it from step 1, and every bad input one sentence. Cost here (2 cores, a load of 7-9): 3-4 s.
+Notebook 18 runs it on 2 ranks (DDP, fully_shard and parallelize_module against one process, within
+the band; the planted per-rank mean outside it); here, a copy with d2lpar blocked runs on 3 ranks,
+started by the course's launcher with torchrun's variables (a torchrun start costs 5-9 s here): DDP
+and tensor parallelism over 3 ranks (DTensor and plain gradients in one norm) within the band of one
+process, the planted per-rank mean outside it from step 1, and every bad input one sentence. Cost
+here (2 cores, a load of 7-9): 4-5 s.
 """
 
 import json
@@ -14,7 +16,7 @@ from d2lpar.processes.commands import REPO, leftovers
 from tests.torch_only import LAUNCH_VARS, load_copy, run_in_ranks
 
 SCRIPT = REPO / "d2lpar" / "examples" / "loss_log_torch.py"
-SMALL = ["--steps", "6", "--batch-size", "9", "--seq", "8"]
+SMALL = ["--steps", "6", "--batch-size", "9", "--seq", "8", "--d", "24"]   # 4 d: 3 tensor ranks
 
 
 @pytest.fixture(autouse=True)
@@ -31,15 +33,18 @@ def test_three_ranks_within_the_band_and_the_planted_mean_outside(tmp_path, monk
     one, other = tmp_path / "one.jsonl", tmp_path / "other.jsonl"
     main(["train", "--out", one, *SMALL])
     main(["train", "--out", other, "--accumulate", "3", *SMALL])
-    ddp, bug = tmp_path / "ddp.jsonl", tmp_path / "bug.jsonl"
+    ddp, bug, tp = tmp_path / "ddp.jsonl", tmp_path / "bug.jsonl", tmp_path / "tp.jsonl"
     copy = tmp_path / SCRIPT.name
     run_in_ranks(copy, 3, ["train", "--layout", "ddp", "--out", ddp, *SMALL])
     run_in_ranks(copy, 3, ["train", "--layout", "ddp", "--bug", "rank-mean", "--out", bug, *SMALL])
+    run_in_ranks(copy, 3, ["train", "--layout", "tp", "--out", tp, *SMALL])
     records = [json.loads(line) for line in ddp.read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 7))
     assert records[0]["tokens"] == json.loads(one.read_text().splitlines()[0])["tokens"]
     noise = ["--noise", one, other]
     assert main(["compare", ddp, one, *noise]) == "within the band (6 steps)"
+    assert main(["compare", tp, one, *noise]) == "within the band (6 steps)"
+    assert json.loads(tp.read_text().splitlines()[0])["tokens"] == records[0]["tokens"]
     assert main(["compare", bug, one, *noise]) == "outside the band from step 1 (grad_norm)"
     assert "bug.jsonl against one.jsonl: outside the band from step 1" in capsys.readouterr().out
     # the band is not wide open: the noise runs differ, and a 1e-3 shift of one loss leaves it
@@ -72,7 +77,9 @@ def test_bad_input_is_one_sentence(tmp_path, monkeypatch):
         main(["train", "--out", log, "--layout", "ddp"])
     for name, value in (("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
         monkeypatch.setenv(name, value)
-    with pytest.raises(Usage, match="--batch-size 8 does not give each of 3 ranks 1 row"):
+    with pytest.raises(Usage, match="--batch-size 8 does not give each of 3 data-parallel rank"):
         main(["train", "--out", log, "--layout", "ddp"])
     with pytest.raises(Usage, match="--layout single runs in one process, not 3"):
         main(["train", "--out", log])
+    with pytest.raises(Usage, match="--layout tp cuts the 128 hidden features over 3 ranks"):
+        main(["train", "--out", log, "--layout", "tp"])

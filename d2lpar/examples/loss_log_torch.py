@@ -10,28 +10,38 @@ Add three lines to any trainer:
 
 ``loss_sum`` is this rank's summed cross-entropy over its real (not padding) tokens and ``tokens``
 their number: the log holds sum(loss_sum) / sum(tokens) over the ranks that read different data
-(``group=``, default every rank; under tensor parallelism give the data-parallel group), the loss
-of the whole global batch whatever the layout, and the norm of the gradient the optimizer is about
-to apply (``torch.nn.utils.get_total_norm``: DTensor gradients of FSDP2 and tensor parallelism
-included). Then compare two layouts' logs:
+(``group=``, default every rank; under tensor parallelism give the data-parallel group, as
+``--layout tp`` does), the loss of the whole global batch whatever the layout, and the norm of the
+gradient the optimizer is about to apply: ``torch.nn.utils.get_total_norm`` of the DTensor
+gradients (FSDP2's shards, tensor parallelism's), reduced over their mesh with ``full_tensor()``,
+and of the plain ones (DDP's, or the layers tensor parallelism leaves whole: the same on every
+rank), kept apart because torch cannot stack the norms of the two kinds together. Then compare two
+layouts' logs:
 
     python loss_log_torch.py compare ddp.jsonl fsdp.jsonl --noise one.jsonl one_reordered.jsonl
 
 It prints "within the band" or "outside the band from step k (loss or grad_norm)": the band at
 step k is --factor times the largest difference so far between two runs that differ by numerics
 only (--noise: the same training with its sums in another order), and never less than --factor
-fp32 rounding units of the value. A small trainer to try it, on CPUs (gloo) or a GPU per process:
+fp32 rounding units of the value; and how far apart the noise runs were, in rounding units (about
+one, for short runs in fp32: the band is then the floor, and a bug is thousands of units away). The
+band holds for this model, learning rate, optimizer and number of steps only: measure it again when
+one of them changes. A small trainer to try it, on CPUs (gloo) or a GPU per process:
 
     python loss_log_torch.py train --out one.jsonl
-    python loss_log_torch.py train --out one_reordered.jsonl --accumulate 2
+    python loss_log_torch.py train --out one_reordered.jsonl --accumulate 4
     torchrun --standalone --nproc-per-node=2 loss_log_torch.py train --layout ddp --out ddp.jsonl
     torchrun --standalone --nproc-per-node=2 loss_log_torch.py train --layout fsdp --out fsdp.jsonl
+    torchrun --standalone --nproc-per-node=2 loss_log_torch.py train --layout tp --out tp.jsonl
     python loss_log_torch.py compare ddp.jsonl fsdp.jsonl --noise one.jsonl one_reordered.jsonl
 
 Its model reads padded sequences of different lengths; each rank's loss is its summed
 cross-entropy divided by the real tokens of the whole global batch, times the ranks DDP and FSDP2
-average over (torchtitan's normalisation). ``--bug rank-mean`` plants the classic error (each rank's
-own token mean): compare its log with one process's and it leaves the band at step 1.
+average over (torchtitan's normalisation). ``--layout tp`` cuts its two Linear layers with
+``parallelize_module`` (column-wise, then row-wise) over every rank, each reading the whole batch.
+``--bug rank-mean`` plants the classic error (each rank's own token mean): compare its log with one
+process's and it leaves the band at step 1. With dropout in a model, compare with the dropout off
+(p = 0), unless every layout draws each mask where one process would.
 """
 
 import argparse
@@ -72,10 +82,15 @@ class LossLog:
         if dist.is_initialized():
             dist.all_reduce(sums, group=self.group)   # a tensor collective: no pickling
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm   # DTensor: reduce
+        squares = 0.0
+        for dtensor in (True, False):   # torch's foreach norm refuses DTensors mixed with tensors
+            kind = [g for g in grads if hasattr(g, "full_tensor") == dtensor]
+            if kind:
+                norm = torch.nn.utils.get_total_norm(kind)
+                norm = norm.full_tensor() if dtensor else norm   # reduced over the DTensors' mesh
+                squares += float(norm) ** 2
         record = {"step": step, "loss": sums[0].item() / sums[1].item(),
-                  "tokens": int(sums[1].item()), "grad_norm": float(norm)}
+                  "tokens": int(sums[1].item()), "grad_norm": math.sqrt(squares)}
         if self.writer:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -105,6 +120,11 @@ def band_of(noise_a: list[dict], noise_b: list[dict], factor: float, key: str) -
         spread = max(spread, abs(a[key] - b[key]))
         out.append(factor * max(spread, EPS32 * abs(a[key])))
     return out
+
+
+def noise_units(noise_a: list[dict], noise_b: list[dict], key: str) -> float:
+    """The largest difference between the two noise runs, in fp32 rounding units of the value."""
+    return max(abs(a[key] - b[key]) / (EPS32 * abs(a[key]) or 1.0) for a, b in zip(noise_a, noise_b))
 
 
 def compare(a: list[dict], b: list[dict], noise: tuple, factor: float = 4.0) -> str:
@@ -159,6 +179,7 @@ def who_am_i() -> tuple[int, int, int]:
 def train(args, rank: int, world: int, device: torch.device) -> list[dict]:
     data = make_data(args.steps, args.batch_size, args.seq, args.vocab)
     model = make_model(args.vocab, args.d).to(device)
+    group, dp, dp_rank = None, world, rank   # LossLog sums over the ranks reading different rows
     if args.layout == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     elif args.layout == "fsdp":
@@ -167,12 +188,20 @@ def train(args, rank: int, world: int, device: torch.device) -> list[dict]:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer)
         fully_shard(model)
+    elif args.layout == "tp":   # every rank a tensor rank: one data-parallel rank, the whole batch
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+        mesh = init_device_mesh(device.type, (1, world), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"1": ColwiseParallel(), "3": RowwiseParallel()})
+        group, dp, dp_rank = mesh["dp"].get_group(), 1, 0
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    log = LossLog(args.out)
-    per = args.batch_size // world
+    log = LossLog(args.out, group)
+    per = args.batch_size // dp
     records = []
     for step, (X, Y) in enumerate(data, 1):
-        X, Y = X[rank * per:(rank + 1) * per].to(device), Y[rank * per:(rank + 1) * per].to(device)
+        rows = slice(dp_rank * per, (dp_rank + 1) * per)
+        X, Y = X[rows].to(device), Y[rows].to(device)
         everyone = int((data[step - 1][1] != IGNORE).sum())   # real tokens of the global batch
         optimizer.zero_grad(set_to_none=True)
         loss_sum, tokens = 0.0, 0
@@ -184,8 +213,8 @@ def train(args, rank: int, world: int, device: torch.device) -> list[dict]:
             mine = int((Y[rows] != IGNORE).sum())
             if args.bug == "rank-mean":   # each rank's own mean: its tokens weigh by its count
                 loss = total / int((Y != IGNORE).sum()) / len(parts)
-            else:                         # every token 1/N; x world: DDP and FSDP2 average
-                loss = total / everyone * world
+            else:                         # every token 1/N; x dp: DDP and FSDP2 average
+                loss = total / everyone * dp
             loss.backward()
             loss_sum, tokens = loss_sum + total.item(), tokens + mine
         records.append(log.step(step, loss_sum, tokens, model))
@@ -200,7 +229,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="Per-step losses of a parallel trainer, compared.")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train the small model and log its steps")
-    t.add_argument("--layout", choices=["single", "ddp", "fsdp"], default="single")
+    t.add_argument("--layout", choices=["single", "ddp", "fsdp", "tp"], default="single")
     t.add_argument("--out", required=True, help="the log: one JSON line per step")
     t.add_argument("--steps", type=int, default=20)
     t.add_argument("--batch-size", type=int, default=8, help="the global batch, in rows")
@@ -222,20 +251,27 @@ def main(argv=None):
         logs = [read_log(path) for path in (args.a, args.b, *args.noise)]
         verdict = compare(logs[0], logs[1], (logs[2], logs[3]), args.factor)
         print(f"{os.path.basename(args.a)} against {os.path.basename(args.b)}: {verdict}")
+        units = {k: noise_units(logs[2], logs[3], k) for k in ("loss", "grad_norm")}
+        print(f"  noise: at most {units['loss']:.2f} (loss), {units['grad_norm']:.2f} (grad_norm) "
+              f"fp32 rounding units apart; band: {args.factor:g} x max(that, 1)")
         return verdict
     for name in ("steps", "batch_size", "seq", "vocab", "d", "accumulate"):
         if getattr(args, name) < 1:
             raise Usage(f"--{name.replace('_', '-')} {getattr(args, name)}: give at least 1")
     rank, world, local_rank = who_am_i()
     if args.layout == "single" and world > 1:
-        raise Usage(f"--layout single runs in one process, not {world}: choose ddp or fsdp")
+        raise Usage(f"--layout single runs in one process, not {world}: choose ddp, fsdp or tp")
     if args.layout != "single" and world == 1:
         raise Usage(f"--layout {args.layout} needs ranks: start it with torchrun "
                     f"--nproc-per-node=2 or more")
-    if args.batch_size % world or args.batch_size // world < args.accumulate:
-        raise Usage(f"--batch-size {args.batch_size} does not give each of {world} ranks "
-                    f"{args.accumulate} row(s) or more in equal shares: use a multiple of "
-                    f"{world * args.accumulate}")
+    if args.layout == "tp" and (4 * args.d) % world:
+        raise Usage(f"--layout tp cuts the {4 * args.d} hidden features over {world} ranks: give a "
+                    f"--d whose 4 x d is a multiple of {world}")
+    dp = 1 if args.layout == "tp" else world
+    if args.batch_size % dp or args.batch_size // dp < args.accumulate:
+        raise Usage(f"--batch-size {args.batch_size} does not give each of {dp} data-parallel "
+                    f"rank(s) {args.accumulate} row(s) or more in equal shares: use a multiple of "
+                    f"{dp * args.accumulate}")
     gpus = torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     device = torch.device("cuda", local_rank) if gpus else torch.device("cpu")
     if gpus:

@@ -23,8 +23,11 @@ def _setup():
 
 
 def megatron(d: M.Draw) -> torch.Tensor:
-    """Megatron-LM's streams as a rule: each rank draws its own slice's shape; split tensors from
-    seed + 2718 + tensor rank, replicated ones from the seed; + 100 per pipeline rank."""
+    """Megatron-LM's streams as a rule: each rank draws its own slice's shape; tensors split over the
+    tensor ranks (features, or under sequence parallelism positions: ``d.sharded``) from seed + 2718
+    + tensor rank, the tensor-parallel stream; replicated ones from the seed; + 100 per pipeline
+    rank (``_set_random_seed``, ``model_parallel_cuda_manual_seed``; with sequence parallelism
+    ``transformer_block.py`` runs the whole block in the tensor-parallel stream)."""
     key = M.key_of(d.seed, d.what, d.step) + 100 * d.coords["pp"]
     if d.sharded:
         key += 2718 + d.coords["tp"]
@@ -32,17 +35,21 @@ def megatron(d: M.Draw) -> torch.Tensor:
 
 
 def exercise_1():
-    """Outside the band from step 1 (loss), and not a bug. Megatron's masks are independent where
-    the features are split and equal where the activations are replicated, which is what dropout
-    needs; but the split tensors' masks are not the numbers one device draws, so no comparison with
-    one device can accept them. A trainer with this rule is checked by statistics (the fraction of
-    units dropped, the masks' independence across ranks), or against a reference that draws the
-    same way, or with the dropout off for the comparison."""
+    """Both outside the band from step 1 (loss), and neither is a bug. Megatron's masks are
+    independent where a tensor is split over the tensor ranks (the MLP's features; under sequence
+    parallelism the residual stream's positions too) and equal where the ranks hold copies (the
+    residual stream without sequence parallelism), which is what dropout needs, unlike section
+    4.2's planted rule, whose copies get different masks; but the split tensors' masks are not the
+    numbers one device draws, so no comparison with one device can accept them. A trainer with this
+    rule is checked with the dropout off for the comparison (p = 0), or against a reference that
+    draws the same way, or by statistics (the fraction dropped, the masks' independence)."""
     _, cfg, batches = _setup()
-    report = C.check_layouts(cfg, batches, [Layout(tp=2, sp=True, dropout=megatron,
-                                                   label="tp 2 + sp, Megatron's streams")])
-    print(report.lines()[0])
-    assert report.verdicts[0].first == 1 and report.verdicts[0].what == "loss"
+    report = C.check_layouts(cfg, batches, [
+        Layout(tp=2, dropout=megatron, label="tp 2, Megatron's streams"),
+        Layout(tp=2, sp=True, dropout=megatron, label="tp 2 + sp, Megatron's streams")])
+    for v in report.verdicts:
+        print(v.line())
+        assert v.first == 1 and v.what == "loss"
     # the statistics are right: split masks differ across ranks, replicated ones agree
     for sharded, width in ((True, cfg.hidden // 2), (False, cfg.d)):
         masks = [megatron(M.Draw("dropout 1.x", 1, (ROWS, SEQ, width * (2 if sharded else 1)),

@@ -3,14 +3,19 @@ against a noise band measured first.
 
 **The band.** Two correct runs of the same training differ by rounding only: a sum in another order
 rounds differently, and training magnifies the difference step after step. The checker measures how
-far that goes for *this* model, data and dtype, on one device, before any layout runs: the
-reference run, then the same run with its reductions in another order (each matmul summed as two
-halves of its inputs, second half first, as a row-parallel layer's ranks sum them; the batch
-taken as two micro-batches, the second first) and, for bf16, the run with fp32 accumulation (bf16
-products summed and kept in fp32). At step k the measured spread is the largest difference so far
-between the reference and any of these runs, or one rounding unit of the value if that is larger
-(fp32's: the loss and the norms are fp32 sums; before the first update two orders may agree
-exactly); the band is ``factor`` times it.
+far that goes for *this* model, data, dtype, learning rate, optimizer and number of steps, on one
+device, before any layout runs: the reference run, then the same run with its reductions in other
+orders ("reversed": each matmul summed as two halves of its inputs, second half first, as a
+row-parallel layer's ranks sum them, and the batch as two micro-batches, the second first; "rows":
+every row its own micro-batch, the last first, and each matmul as four quarters of its inputs,
+the last first) and, for bf16, "fp32": the bf16-rounded inputs and weights summed in fp32 with the
+output kept in fp32 instead of rounded to bf16. At step k the measured spread is the largest
+difference so far between the reference and any of these runs; the floor is one fp32 rounding unit
+of the value (the largest so far: the loss and the norms are fp32 sums, so two correct orders
+differ by about one unit, and before the first update they may agree exactly); the band is
+``factor`` times the larger of the two. Both are kept (``Band.measured``, ``Band.floor``): in fp32,
+over tens of steps, the reorderings move the loss and the gradient norm by about one rounding
+unit, so their bands are about the floor, while the weights' band is measured far above it.
 
 **The comparison**, per layout and step: the loss (the mean cross-entropy of the real tokens the
 layout read), and at the checked steps the gradient norm (of the reduced gradients, before the
@@ -58,15 +63,18 @@ def one_device(cfg: Config, batches, steps: int, checks=(), dtype: str = "fp32",
                order: str = "reference", lr: float = LR, loss=rules.global_tokens) -> Run:
     """The one-device training every layout is compared with. ``order``: "reference"; "reversed"
     (each matmul as two halves of its inputs, the second first, and the batch as two micro-batches,
-    the second first); "fp32" (bf16 products accumulated in fp32)."""
+    the second first); "rows" (each row its own micro-batch, the last first, and each matmul as four
+    quarters of its inputs, the last first); "fp32" (bf16 autocast's matmuls with their sums and
+    output in fp32: ``model.Linear``)."""
     model = build(cfg, rules.one_device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     bf16, run = dtype == "bf16", Run([])
-    linear = {"reversed": "split", "fp32": "fp32"}.get(order, "plain")
+    linear = {"reversed": "split", "rows": "quarters", "fp32": "fp32"}.get(order, "plain")
     for step in range(1, steps + 1):
         X, Y = batches[step - 1]
         B = len(X)
-        parts = [(0, B)] if order != "reversed" else [(B // 2, B), (0, B // 2)]
+        parts = {"reversed": [(B // 2, B), (0, B // 2)],
+                 "rows": [(r, r + 1) for r in reversed(range(B))]}.get(order, [(0, B)])
         norm = rules.Norm(int((Y != -100).sum()), len(parts), 1)
         opt.zero_grad(set_to_none=True)
         total_all, tokens_all = 0.0, 0
@@ -93,7 +101,10 @@ def _norm(grads: dict) -> float:
 @dataclass
 class Band:
     """Per step, how far a correct run may stray from the reference (loss); at the checked steps,
-    for the gradient norm and the weights too."""
+    for the gradient norm and the weights too. ``measured`` and ``floor`` hold, for "loss" (a list
+    per step), "grad_norm" and "weights" (dicts by checked step), the largest difference so far
+    between the reference and the reordered runs and one fp32 rounding unit of the value; each band
+    is ``factor`` times the larger."""
     dtype: str
     reference: Run
     others: dict[str, Run]
@@ -101,6 +112,8 @@ class Band:
     loss: list[float]
     grad_norm: dict[int, float]
     weights: dict[int, float]
+    measured: dict = field(default_factory=dict)
+    floor: dict = field(default_factory=dict)
 
 
 def _spread(values: list[float]) -> list[float]:
@@ -113,29 +126,36 @@ def _spread(values: list[float]) -> list[float]:
 
 def measure_band(cfg: Config, batches, steps: int, checks=(), dtype: str = "fp32",
                  factor: float = FACTOR, lr: float = LR) -> Band:
-    """Run the reference and the reordered (and, for bf16, fp32-accumulated) runs on one device;
-    the band is ``factor`` times their largest difference so far at each step."""
+    """Run the reference and the reordered (and, for bf16, fp32-summed) runs on one device; the
+    band is ``factor`` times the larger of their largest difference so far and one fp32 rounding
+    unit of the value, at each step."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)   # as each rank computes (bf16 on two busy threads: 40x slower here)
     try:
         ref = one_device(cfg, batches, steps, checks, dtype, "reference", lr)
-        orders = ["reversed"] + (["fp32"] if dtype == "bf16" else [])
+        orders = ["reversed", "rows"] + (["fp32"] if dtype == "bf16" else [])
         others = {o: one_device(cfg, batches, steps, checks, dtype, o, lr) for o in orders}
     finally:
         torch.set_num_threads(threads)
-    spread = [max([EPS32 * abs(ref.losses[k])] +
-                  [abs(r.losses[k] - ref.losses[k]) for r in others.values()])
-              for k in range(steps)]
-    loss = [factor * v for v in _spread(spread)]
-    gn, w, seen_g, seen_w = {}, {}, 0.0, 0.0
+    runs = others.values()
+    measured = {"loss": _spread([max(abs(r.losses[k] - ref.losses[k]) for r in runs)
+                                 for k in range(steps)]), "grad_norm": {}, "weights": {}}
+    floor = {"loss": _spread([EPS32 * abs(v) for v in ref.losses[:steps]]), "grad_norm": {},
+             "weights": {}}
+    seen = {"grad_norm": [0.0, 0.0], "weights": [0.0, 0.0]}   # (measured, floor) so far
     for k in sorted(checks):
         size = math.sqrt(sum(float(v.double().pow(2).sum()) for v in ref.weights[k].values()))
-        seen_g = max([seen_g, EPS32 * ref.grad_norms[k]] +
-                     [abs(r.grad_norms[k] - ref.grad_norms[k]) for r in others.values()])
-        seen_w = max([seen_w, EPS32 * size] +
-                     [_distance(r.weights[k], ref.weights[k]) for r in others.values()])
-        gn[k], w[k] = factor * seen_g, factor * seen_w
-    return Band(dtype, ref, others, factor, loss, gn, w)
+        now = {"grad_norm": (max(abs(r.grad_norms[k] - ref.grad_norms[k]) for r in runs),
+                             EPS32 * ref.grad_norms[k]),
+               "weights": (max(_distance(r.weights[k], ref.weights[k]) for r in runs),
+                           EPS32 * size)}
+        for what, (m, f) in now.items():
+            seen[what] = [max(seen[what][0], m), max(seen[what][1], f)]
+            measured[what][k], floor[what][k] = seen[what]
+    loss = [factor * max(m, f) for m, f in zip(measured["loss"], floor["loss"])]
+    gn = {k: factor * max(measured["grad_norm"][k], floor["grad_norm"][k]) for k in checks}
+    w = {k: factor * max(measured["weights"][k], floor["weights"][k]) for k in checks}
+    return Band(dtype, ref, others, factor, loss, gn, w, measured, floor)
 
 
 @dataclass
@@ -230,6 +250,9 @@ def _collect(lay: Layout, per_rank: list[dict], steps: int, checks) -> Run:
     run = Run(losses)
     for k in checks:
         run.copies[k] = [r["parts"][k]["weights"] for r in per_rank]
+        if per_rank[0]["parts"][k].get("grad_norm") is not None:   # ZeRO: measured on its shards
+            run.grad_norms[k] = per_rank[0]["parts"][k]["grad_norm"]
+            continue
         grads = {}
         for r in per_rank:   # the gradient, rebuilt from the ranks that hold each part
             for name, (index, g) in (r["parts"][k]["grads"] or {}).items():
@@ -290,6 +313,7 @@ def check_layouts(cfg: Config, batches, layouts: list[Layout], steps: int | None
         by_world[lay.world].append(lay)
     runs = {}
     for n, jobs in by_world.items():
+        print(f"{len(jobs)} layout(s) on {n} ranks, in one launch", flush=True)
         results = launch(_worker, n, jobs, cfg, batches[:steps], steps, checks, lr,
                          timeout=timeout, quiet=quiet)
         for j, lay in enumerate(jobs):

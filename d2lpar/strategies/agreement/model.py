@@ -16,10 +16,13 @@ other parts (``sharded``) and the rank's coordinates. A *rule* turns a Draw into
 [0, 1) of the local shape (``rules.py``). The rule that keeps a layout equal to one device draws
 the whole tensor from a generator keyed by (seed, what, step) and keeps the rank's part: the mask
 of a token then depends on where it sits in the global batch, never on which rank computes it.
-(DTensor's ``OffsetBasedRNGTracker`` does the same on GPUs without drawing the rest: it moves each
-shard's Philox offset to the shard's place, ``torch/distributed/tensor/_random.py``.) The layouts
-tell the modules where their tensors sit with ``at(...)``: the step, the rows (offset in the
-global batch) and the token positions a rank holds.
+DTensor's random ops promise less (``OffsetBasedRNGTracker``, ``torch/distributed/tensor/_random.py``
+in torch 2.14): ranks holding the same shard (replicas) draw equal numbers, and different shards
+draw from separate parts of one Philox stream (each shard starts at its linear index x the local
+numel; every rank then skips the whole tensor's numbers); it does not promise one device's numbers
+("does not consider DTensor's contiguity": a ``Shard(-1)`` tensor's columns are not one device's),
+and it refuses CPU devices. The layouts tell the modules where their tensors sit with ``at(...)``:
+the step, the rows (offset in the global batch) and the token positions a rank holds.
 
 ``Block`` is pre-LayerNorm attention + MLP; its QKV weight is laid out head by head (q, k, v of
 head 0, then of head 1, ...), as ``tensor.blocks``, so a block of rows is a set of whole heads.
@@ -76,7 +79,8 @@ class Draw:
     step: int            # 0 at initialisation, k for step k's masks
     shape: tuple         # its shape on one device
     index: tuple         # this rank's part: one slice per dimension
-    sharded: bool        # do this rank's tensor-parallel neighbours hold other parts of it?
+    sharded: bool        # do this rank's tensor-parallel neighbours hold other parts of it (other
+                         # features, or under sequence parallelism other positions)?
     coords: dict         # this rank's coordinates: dp, tp, pp, cp
     seed: int = 0
 
@@ -101,7 +105,7 @@ class _Now:
     rule: object = None           # the dropout rule (rules.one_device, unless a layout plants one)
     seed: int = 0
     p: float = 0.0
-    linear: str = "plain"         # one device only: "split" (another order), "fp32" (accumulation)
+    linear: str = "plain"         # one device only: "split", "quarters" (other orders), "fp32"
 
 
 _NOW = _Now()
@@ -127,8 +131,11 @@ def at(**changes):
 def dropout(x: torch.Tensor, site: str, seq: tuple | None = None,
             feature: tuple | None = None) -> torch.Tensor:
     """Dropout of ``x`` (b, s, f) at ``site``, its mask drawn by the current rule at the global
-    position of every element: rows from ``at``, positions ``seq`` = (offset, total) (default: the
-    rank's, from ``at``), features ``feature`` = (offset, total) (default: all, replicated)."""
+    position of every element: rows from ``at``; positions ``seq`` = (offset, total), given when the
+    tensor-parallel neighbours hold the other positions (sequence parallelism; default: the rank's
+    positions from ``at``, which under context parallelism are its own too); features ``feature`` =
+    (offset, total), given when the neighbours hold the other features (default: all). The Draw is
+    ``sharded`` when either is given."""
     n = _NOW
     if n.p == 0 or not torch.is_grad_enabled():
         return x
@@ -136,8 +143,8 @@ def dropout(x: torch.Tensor, site: str, seq: tuple | None = None,
     (r0, R), (s0, S) = n.rows, seq or n.seq
     f0, Fg = feature or (0, f)
     d = Draw(f"dropout {site}", n.step, (R, S, Fg),
-             (slice(r0, r0 + b), slice(s0, s0 + s), slice(f0, f0 + f)), feature is not None,
-             n.coords, n.seed)
+             (slice(r0, r0 + b), slice(s0, s0 + s), slice(f0, f0 + f)),
+             feature is not None or seq is not None, n.coords, n.seed)
     u = n.rule(d)
     if tuple(u.shape) != (b, s, f):
         raise ValueError(f"the dropout rule returned shape {tuple(u.shape)} for {d.what}, whose "
@@ -149,10 +156,12 @@ def dropout(x: torch.Tensor, site: str, seq: tuple | None = None,
 # ------------------------------------------------------------------------------------ the model
 
 class Linear(nn.Linear):
-    """nn.Linear; on one device it can also sum its products in another order (``at(linear=
-    "split")``: the two halves of the input features, the second half first, as a row-parallel
-    layer's ranks do) or, under bf16 autocast, accumulate bf16 products in fp32 and round nothing
-    (``at(linear="fp32")``): the runs that measure the noise band."""
+    """nn.Linear; on one device it can also sum its products in other orders, the runs that measure
+    the noise band: ``at(linear="split")``, the two halves of the input features, the second half
+    first (as a row-parallel layer's two ranks add their partial sums); ``"quarters"``, four
+    quarters, the last first, the bias last. ``"fp32"``, under bf16 autocast: the same bf16-rounded
+    inputs and weights (their products are exact in fp32), summed in fp32, with the output and the
+    bias kept in fp32 where autocast's bf16 matmul rounds its output (and the bias) to bf16."""
 
     def forward(self, x):
         how = _NOW.linear
@@ -160,6 +169,11 @@ class Linear(nn.Linear):
             h = self.in_features // 2
             return (F.linear(x[..., h:], self.weight[:, h:])
                     + F.linear(x[..., :h], self.weight[:, :h], self.bias))
+        if how == "quarters":
+            n = self.in_features
+            cuts = [(k * n // 4, (k + 1) * n // 4) for k in (3, 2, 1, 0)]
+            out = sum(F.linear(x[..., a:b], self.weight[:, a:b]) for a, b in cuts)
+            return out if self.bias is None else out + self.bias
         if how == "fp32" and torch.is_autocast_enabled("cpu"):
             with torch.autocast("cpu", enabled=False):
                 bf = torch.bfloat16

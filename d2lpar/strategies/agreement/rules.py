@@ -8,11 +8,15 @@ each is commonly broken (planted in notebook 18; the checker must catch every on
   layout the same numbers as one device.
 * ``same_seed_local`` (broken): each rank draws its own part's shape from the same key, so the
   parts held by different tensor ranks are copies: copied weight shards at initialisation (the
-  restart of a small model family after ~1T tokens in Hugging Face's Smol training playbook),
-  equal dropout masks on features that different ranks hold.
+  SmolLM3 run restarted after 1T tokens for identical seeds on its TP = 2 ranks: Hugging Face's
+  Smol training playbook, 2025, "Mystery #4"), equal dropout masks on features that different
+  ranks hold.
 * ``per_rank_where_replicated`` (broken): a replicated tensor keyed by the tensor rank (Megatron's
   tensor-parallel stream, seed + 2718 + tp rank, used outside the split region): its masks differ
-  on ranks that must hold the same activations.
+  on ranks that must hold the same activations, so tensor parallelism without sequence parallelism
+  carries a different residual stream on each rank. Under sequence parallelism no dropout input is
+  replicated (each rank drops its own positions), and per-rank masks there are Megatron's own rule
+  (``transformer_block.py`` forks the tensor-parallel stream): not one device's numbers, not a bug.
 
 **Loss normalisation** (``rule(total, tokens, norm)``: the scalar a micro-batch backpropagates, from
 its summed cross-entropy ``total`` over its ``tokens`` real tokens; the gradient reducers then

@@ -8,7 +8,9 @@ with the masks placed by ``model.at`` (step, rows, positions); backpropagate the
 finish the gradients (sequence-parallel partial sums over tp, the average over dp or cp); then
 AdamW. At the checked steps, before the optimizer, each rank hands back its parts of the weights
 and of the gradients, named as on one device with the slice it holds, so the caller can rebuild the
-whole tensors and compare every rank's copy.
+whole tensors and compare every rank's copy. ZeRO reduces its gradients inside its step, as shards:
+there the norm of the reduced gradient is measured inside the step, on the shards, and summed over
+the ranks (``zero_step_with_norm``).
 
 Returned per step: the summed cross-entropy and the real tokens this rank scored (only the ranks
 that compute the loss: the last pipeline stage, tensor rank 0), so the caller's loss is the mean
@@ -16,6 +18,9 @@ over the tokens the layout actually read.
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import torch
 import torch.distributed as dist
@@ -40,7 +45,7 @@ from d2lpar.strategies.tensor.layers import ColumnParallelLinear, RowParallelLin
 from d2lpar.strategies.tensor.mappings import gather_from_region, scatter_to_region
 from d2lpar.strategies.threed.hand import average_gradients
 
-__all__ = ["TPBlock", "CPBlock", "train_course", "LR"]
+__all__ = ["TPBlock", "CPBlock", "micro_loss", "zero_step_with_norm", "train_course", "LR"]
 
 LR = 3e-3
 
@@ -136,6 +141,38 @@ def _named(placed: list[tuple[int, nn.Module]]):
             yield f"{i}.{n}", p
 
 
+def micro_loss(lay: Layout, norm: Norm, mine: list, logits, targets, share: float = 1.0):
+    """The scalar one micro-batch backpropagates: the layout's loss rule applied to its summed
+    cross-entropy and its real tokens (``mine`` adds both up, for the loss the layout reports).
+    ``share``: the pipeline executor multiplies each micro-batch's loss by its share of the rows
+    (right for a mean per row); dividing by it here leaves each token's weight to the rule alone."""
+    total, tokens = token_loss(logits, targets)
+    mine[0] += total.item()
+    mine[1] += tokens
+    return lay.loss(total, tokens, norm) / share
+
+
+def zero_step_with_norm(opt: ZeroAdamW) -> float:
+    """``opt.step()``, returning the norm of the whole gradient it applied: inside the step, after
+    the reduce-scatter and the division by the ranks, before AdamW, each rank's squares of its
+    shards (the pieces AdamW steps), then summed over the ranks in one all-reduce."""
+    inner, squares = opt.opt.step, []
+
+    def measured():
+        squares.append(sum(float(seg.grad.double().pow(2).sum()) for u in opt.units
+                           for seg, _, _ in u.segments if seg.grad is not None))
+        inner()
+
+    opt.opt.step = measured
+    try:
+        opt.step()
+    finally:
+        del opt.opt.step   # the class's step again
+    total = torch.tensor(squares, dtype=torch.float64)
+    dist.all_reduce(total)
+    return math.sqrt(float(total))
+
+
 def train_course(lay: Layout, cfg: Config, batches, steps: int, checks: tuple,
                  lr: float = LR) -> dict:
     """Train ``lay`` (kind hand, ddp or zero) for ``steps`` steps on this rank (inside a launched
@@ -187,12 +224,7 @@ def train_course(lay: Layout, cfg: Config, batches, steps: int, checks: tuple,
         Xr, Yr = X[a:b, s0:s1], Y[a:b, s0:s1]
         norm = Norm(global_tokens_of(lay, Y), m, dp * cp)
         mine = [0.0, 0]
-
-        def loss_of(logits, targets, share=1.0):
-            total, tokens = token_loss(logits, targets)
-            mine[0] += total.item()
-            mine[1] += tokens
-            return lay.loss(total, tokens, norm) / share
+        loss_of = functools.partial(micro_loss, lay, norm, mine)
 
         if lay.kind == "zero":
             opt.zero_grad()
@@ -223,11 +255,13 @@ def train_course(lay: Layout, cfg: Config, batches, steps: int, checks: tuple,
             if lay.kind == "zero":
                 state = opt.full_state_dict()   # a collective with stage 3
                 out_parts[step] = {"weights": {k: (tuple(slice(0, n) for n in v.shape), v.float())
-                                               for k, v in state.items()}, "grads": None}
+                                               for k, v in state.items()}, "grads": None,
+                                   "grad_norm": zero_step_with_norm(opt)}
             else:
                 out_parts[step] = {"weights": _parts(named, shapes_full, tp, ti, False),
                                    "grads": _parts(named, shapes_full, tp, ti, True)}
-        opt.step()
+        if not (step in checks and lay.kind == "zero"):   # ZeRO's checked steps stepped above
+            opt.step()
         last = pi == pp - 1 and ti == 0
         scored.append(tuple(mine) if last else None)
     return {"scored": scored, "parts": out_parts, "coords": coords}

@@ -315,6 +315,24 @@ def test_many_launches_leak_no_descriptors_nor_processes(warm_launcher):
     assert seconds < 4.0, f"a warm launch of 4 ranks took {seconds:.1f} s"
 
 
+def _nap(seconds):
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def test_each_launch_notes_its_phases_from_the_caller_and_every_rank(no_strays):
+    t0 = time.time()
+    pids = launch(_nap, 3, 0.4)
+    wall = time.time() - t0
+    phases = launch_module.last_phases()
+    assert sorted(phases.ranks) == [0, 1, 2] and sorted(phases.received) == [0, 1, 2]
+    assert all(set(m) == {"ready", "joined", "worked", "closed"} for m in phases.ranks.values())
+    secs = phases.seconds()
+    assert secs["work"] >= 0.4 and all(s >= 0 for s in secs.values()), secs
+    assert 0 <= wall - phases.total() < 0.1, (phases.total(), wall)   # the whole launch, no more
+    assert len(set(pids)) == 3
+
+
 def _with_marker(marker: str) -> list[int]:
     """Processes whose (initial) environment carries ``marker``."""
     needle = f"D2LPAR_TEST_MARK={marker}".encode()

@@ -38,6 +38,10 @@ How it differs from ``torch.multiprocessing.spawn``:
   folder of the caller's own, mode 0700: ``multiprocessing.util.get_temp_dir``) and its own
   MASTER_PORT, which the caller holds for the whole launch (``_reserve_port``). A ``master_port=``
   already in use, say by another user's launch, is replaced by a free one, and a line says so.
+* Each launch notes when it ends each of its phases (asking the forkserver for the ranks, their
+  start, the rendezvous, ``fn``, the closing, the results, the ranks' exit, the logs), in the
+  caller and in every rank: ``last_phases()`` says where a slow launch spent its time
+  (``phases``; ``python -m d2lpar bench launch`` prints it for every slow launch).
 * The group is closed with a barrier before ``destroy_process_group`` (without it, gloo ranks
   sometimes abort at exit). A rank whose ``fn`` closed the group itself while the others still
   needed it is named as the cause (``ranklog.root_cause``), not the ranks its leaving stranded.
@@ -61,6 +65,7 @@ import signal
 import socket
 import sys
 import textwrap
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Callable
@@ -71,10 +76,11 @@ import torch
 from d2lpar.processes import rank as _rank
 from d2lpar.processes import ranklog
 from d2lpar.processes.commands import launcher_free_env
+from d2lpar.processes.phases import Phases
 from d2lpar.processes.pickling import dumps
 from d2lpar.processes.ranklog import LaunchError, LaunchTimeout, RankFailed
 
-__all__ = ["launch", "choose_backend", "LaunchError", "RankFailed", "LaunchTimeout"]
+__all__ = ["launch", "choose_backend", "last_phases", "LaunchError", "RankFailed", "LaunchTimeout"]
 
 
 # ----------------------------------------------------------------------------------------- backend
@@ -265,6 +271,9 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     progress: seconds after which, and then every ``PROGRESS_EVERY`` seconds, a line says which ranks
         still run and what the first of them printed last (None: no progress lines).
     """
+    phases = Phases()
+    phases.mark("called")
+    _last.phases = phases
     fn_kwargs = dict(fn_kwargs or {})
     if set(fn_kwargs) & set(kwargs):
         raise LaunchError(f"{sorted(set(fn_kwargs) & set(kwargs))} given both as keywords and in "
@@ -289,7 +298,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
             "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": str(threads_per_rank),
             **(env or {})})
         return _run(payload, world_size, chosen, rank_env, timeout, threads_per_rank,
-                    capture_output, quiet, init_process_group, progress)
+                    capture_output, quiet, init_process_group, progress, phases)
     finally:
         if held is not None:
             held.close()
@@ -297,12 +306,13 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
 
 def _run(payload: bytes, world_size: int, chosen: str, rank_env: dict, timeout: float,
          threads_per_rank: int, capture_output: bool, quiet: bool, init_process_group: bool,
-         progress: float | None) -> list[Any]:
+         progress: float | None, phases: Phases) -> list[Any]:
     """Start the ranks from the forkserver, collect their results, print their output."""
     ctx = _forkserver()
     group_timeout = timeout + 10  # the launcher's deadline comes first, and takes the stacks
     logs = ranklog.RunLogs(world_size)   # this launch's own folder: logs, stacks, the file store
     procs, readers, done = [], [], False
+    phases.mark("forking")
     try:
         with _rank.main_not_rerun():
             for rank in range(world_size):
@@ -315,10 +325,13 @@ def _run(payload: bytes, world_size: int, chosen: str, rank_env: dict, timeout: 
                 readers.append(reader)
                 p.start()
                 writer.close()
-        results = _collect(procs, readers, world_size, timeout, logs, capture_output, progress)
+        phases.mark("forked")
+        results = _collect(procs, readers, world_size, timeout, logs, capture_output, progress,
+                           phases)
         done = True
     finally:
         _stop(procs)
+        phases.mark("stopped")
         for r in readers:
             r.close()
         if not done:
@@ -329,7 +342,16 @@ def _run(payload: bytes, world_size: int, chosen: str, rank_env: dict, timeout: 
         for rank, text in enumerate(outputs):
             for line in text.rstrip("\n").splitlines():
                 print(f"[rank {rank}] {line}")
+    phases.mark("done")
     return results
+
+
+_last = threading.local()
+
+
+def last_phases() -> Phases | None:
+    """The phases (``d2lpar.processes.phases``) of the last launch this thread made, or None."""
+    return getattr(_last, "phases", None)
 
 
 def _receive(proc, reader, obj) -> tuple:
@@ -369,7 +391,7 @@ def _last_line(logs, rank: int) -> str:
 
 
 def _collect(procs, readers, world_size: int, timeout: float, logs, captured: bool,
-             progress: float | None = None) -> list[Any]:
+             progress: float | None = None, phases: Phases | None = None) -> list[Any]:
     """Wait for every rank's message; raise once the failures are in, or at the deadline."""
     start = time.monotonic()
     deadline = start + timeout
@@ -398,6 +420,12 @@ def _collect(procs, readers, world_size: int, timeout: float, logs, captured: bo
             if rank not in pending:
                 continue
             msg = _receive(procs[rank], readers[rank], obj)
+            if isinstance(msg[-1], dict):   # the rank's phase marks (rank.main sends them last)
+                msg, marks = msg[:-1], msg[-1]
+                if phases is not None:
+                    phases.ranks[rank] = marks
+            if phases is not None:
+                phases.received[rank] = time.time()
             pending.discard(rank)
             if msg[0] == "ok":
                 results[rank] = cloudpickle.loads(msg[1])

@@ -73,7 +73,12 @@ def _exit_with_caller() -> None:
 
 def main(rank: int, world_size: int, payload: bytes, conn, env: dict, backend: str, threads: int,
          timeout_s: float, log: str, stack: str, capture: bool, rendezvous: str | None) -> None:
-    """The body of rank ``rank``: set it up as the docstring says, run ``fn``, send what came of it."""
+    """The body of rank ``rank``: set it up as the docstring says, run ``fn``, send what came of it.
+
+    The message ends with the moments (``time.time()``) at which this rank ended each of its
+    phases (``phases``): set up, joined the group, ``fn`` returned, the group closed.
+    """
+    marks: dict[str, float] = {}
     if hasattr(os, "setpgid"):
         os.setpgid(0, 0)   # a group of its own: what the rank starts can be ended with it
     _set_parent_death_signal()
@@ -88,6 +93,7 @@ def main(rank: int, world_size: int, payload: bytes, conn, env: dict, backend: s
     message: tuple
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
+        marks["ready"] = time.time()
         import torch.distributed as dist
         dist.set_debug_level_from_env()  # read once at import, in the forkserver: read it again
         if backend == "nccl":
@@ -99,12 +105,15 @@ def main(rank: int, world_size: int, payload: bytes, conn, env: dict, backend: s
             store.set_timeout(timedelta(seconds=timeout_s))
             dist.init_process_group(group_backend, store=store, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout_s))
+            marks["joined"] = time.time()
         result = fn(*args, **kwargs)
+        marks["worked"] = time.time()
         note(FN_RETURNED)
         left = rendezvous is not None and not dist.is_initialized()   # fn closed our group itself
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+        marks["closed"] = time.time()
         message = ("ok", cloudpickle.dumps(result)) + ((LEFT_GROUP,) if left else ())
     except BaseException as e:  # the traceback starts below this frame, in the student's code
         tb = e.__traceback__.tb_next or e.__traceback__
@@ -112,7 +121,7 @@ def main(rank: int, world_size: int, payload: bytes, conn, env: dict, backend: s
         print(f"{RAISED_MARK}\n{message[1]}", file=sys.stderr, flush=True)
     flush_all()
     try:
-        conn.send(message)
+        conn.send(message + (marks,))
     except Exception:  # the result itself could not be pickled
         conn.send(("raised", traceback.format_exc(), time.time()))
     conn.close()

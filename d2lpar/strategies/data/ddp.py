@@ -30,6 +30,13 @@ buckets in half precision (half the bytes, about 3 or 2 significant digits). Par
 require a gradient (frozen) are never sent; a parameter shared by two layers (tied weights) is one
 parameter and is sent once. What is left out: ``Join``, ``static_graph``, rebuilding buckets from
 the observed order, sparse gradients, gradients as views of the buckets.
+
+When backward returns, nothing of this DDP is left with gloo (``pending()`` is empty): every
+all-reduce has been waited for and dropped, and no gloo thread holds a buffer any more; every
+buffer is this DDP's own, allocated once (compressed ones too). Otherwise a gloo thread could be
+the one to free a buffer, as the interpreter shuts down, and abort the process
+(``d2lpar.comm.drain`` says how; ``python -m d2lpar bench ddp --exit-aborts 100`` counts such
+aborts). ``close()`` does the same for a step cut short by an error.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from d2lpar.comm.drain import drain, held_elsewhere, let_go
 from d2lpar.infra.timing import Timeline
 
 __all__ = ["assign_buckets", "DDP", "allreduce_each", "allreduce_flat", "TiedToy"]
@@ -149,6 +157,10 @@ class DDP(nn.Module):
         # One flat buffer per bucket, allocated once (a fresh one per step would cost page faults).
         self.flats = [torch.empty(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
                       for b in self.buckets]
+        # compressed buckets, allocated once too: gloo is only ever handed this DDP's own buffers
+        self.sends = [torch.empty_like(f, dtype=self.compress) for f in self.flats] \
+            if self.compress is not None else []
+        self._used = torch.zeros(len(self.params))   # find_unused_parameters' flags, the same
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         self._sync, self._sync_buffers_next, self._step_syncs, self._backwards = True, True, True, 0
@@ -204,7 +216,7 @@ class DDP(nn.Module):
         if not self._queued:  # first gradient of this backward: run _finish when backward ends
             self._queued = True
             self._backwards += 1
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if not self._step_syncs:
             return
         if id(p) in self._ready:
@@ -232,13 +244,19 @@ class DDP(nn.Module):
             else:  # copy into the bucket, divided by W on the way as torch does (one pass)
                 torch.mul(p.grad.reshape(-1), scale, out=piece)
         if self.compress is not None:  # as torch's fp16/bf16 hooks: cast, then divide
-            flat = flat.to(self.compress).div_(self.world)
+            flat = self.sends[k].copy_(flat).div_(self.world)
         t0 = time.perf_counter()
         work = dist.all_reduce(flat, group=self.group, async_op=True)
         done: list[float] = []
         if self.timeline is not None:
             work.get_future().then(lambda _: done.append(time.perf_counter()))
         self._works.append((k, flat, work, t0, done))
+
+    def _end_backward(self) -> None:
+        """Run at the end of every backward: ``_finish``, then wait until no gloo thread holds a
+        buffer (once ``_finish`` has returned, its works and views of the buffers are gone)."""
+        self._finish()
+        let_go(self.flats + self.sends + [self._used])   # see the module's docstring
 
     def _finish(self) -> None:
         self._queued = False
@@ -253,9 +271,9 @@ class DDP(nn.Module):
         self._launch_ready(force=True)
         used = None
         if self.find_unused:  # a parameter unused on every rank keeps grad None, as in torch
-            used = torch.tensor([float(id(p) in self._ready) for p in self.params])
-            dist.all_reduce(used, group=self.group)
-            used = {id(p): u > 0 for p, u in zip(self.params, used)}
+            self._used.copy_(torch.tensor([float(id(p) in self._ready) for p in self.params]))
+            dist.all_reduce(self._used, group=self.group)
+            used = {id(p): u > 0 for p, u in zip(self.params, self._used)}
         for k, flat, work, t0, done in self._works:
             work.wait()
             if self.timeline is not None:
@@ -270,6 +288,21 @@ class DDP(nn.Module):
                 else:
                     p.grad.copy_(piece.view_as(p))
         self._works = []
+
+    def close(self) -> bool:
+        """Wait for every all-reduce this DDP started (a backward cut short by an error leaves
+        some), drop them, and return once no gloo thread holds a buffer of this DDP (False if one
+        still did after 2 s): call it before ``destroy_process_group`` when a step may have ended
+        early."""
+        works, self._works = [work for _, _, work, _, _ in self._works], []
+        return drain(works, self.flats + self.sends + [self._used])
+
+    def pending(self) -> list[int]:
+        """The buckets whose all-reduce is started and not yet waited for, or whose buffer
+        something else still holds (a gloo thread, a view): ``[]`` after every backward."""
+        started = {k for k, *_ in self._works}
+        bufs = [[f] + ([self.sends[k]] if self.sends else []) for k, f in enumerate(self.flats)]
+        return [k for k, b in enumerate(bufs) if k in started or any(map(held_elsewhere, b))]
 
     # ------------------------------------------------------------------- for the notebook
     def bucket_names(self) -> list[list[str]]:

@@ -12,8 +12,10 @@ line's ``--batch`` changes it.
 
 Clusters: nodes of 8 GPUs. A100 (Megatron-LM's Selene): 312 TFLOP/s dense bf16 peak, NVLink 3
 through NVSwitch at about 230 GB/s of all-reduce bus bandwidth (``costmodel.MACHINES``), one
-200 Gb/s InfiniBand card per GPU (25 GB/s). H100 (Llama 3's Grand Teton): 989 TFLOP/s, NVLink 4 at
-about 450 GB/s, one 400 Gb/s card per GPU (50 GB/s; Llama 3, section 3.3.1). Both: 80 GiB per GPU,
+200 Gb/s InfiniBand card per GPU (25 GB/s of line rate; priced at 20 GB/s, the share an
+all-reduce gets from it, as ``tp_cost.ACROSS_NODES``). H100 (Llama 3's Grand Teton): 989 TFLOP/s, NVLink 4 at
+about 450 GB/s, one 400 Gb/s card per GPU (50 GB/s of line rate, priced at 40 GB/s likewise; Llama 3,
+section 3.3.1). Both: 80 GiB per GPU,
 latency 5 us inside a node and 10 us across, 60 % of the peak sustained by large matrix products
 (``tp_cost.A100_UTILISATION``, the course's round figure), attention at 50 % of an A100's peak and
 35 % of an H100's (FlashAttention-2's figures: ``cluster``'s docstring), 10 % of memory kept back.

@@ -215,9 +215,11 @@ def test_fp8_refuses_an_operand_that_is_not_finite_in_one_sentence():
     a, b = torch.randn(16, 32), torch.randn(32, 16)
     a[3, 2] = float("inf")
     assert (a @ b)[~torch.isfinite((a @ b).sum(1))].shape[0] == 1   # fp32: row 3 only
-    for kw in ({}, {"rowwise": True}, {"scaled": False}):
+    for kw, harm in (({}, "a per-tensor scale of inf"), ({"rowwise": True}, "its row's scale"),
+                     ({"scaled": False}, "unscaled, an inf saturates to 448")):
         with pytest.raises(ValueError, match=r"a has 1 entry that is inf or nan \(the first at "
-                                             r"\(3, 2\)\): fp8 cannot carry it"):
+                                             r"\(3, 2\)\): fp8 cannot carry it \(e4m3 has no inf; "
+                                             + harm):
             fp8.fp8_matmul(a, b, **kw)
     b[0, 5] = float("nan")
     with pytest.raises(ValueError, match=r"b has 1 entry that is inf or nan \(the first at "

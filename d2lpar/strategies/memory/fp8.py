@@ -18,7 +18,8 @@ which ran in ``last_kernel``.
 On a GPU ``_scaled_mm`` wants each dimension to be a multiple of 16 (the CPU is more lenient);
 ``fp8_matmul`` enforces the GPU's rule, so code written here runs there. An operand with an inf or
 a nan is refused: its amax, so its per-tensor scale, would be inf or nan and every output nan
-(fp32 keeps it to one row), and e4m3 has no inf (an inf saturates to 448 x scale, a finite number).
+(fp32 keeps it to one row; with ``rowwise`` the row's or column's scale, so that row or column),
+and e4m3 has no inf (unscaled, an inf saturates to 448, a finite number).
 """
 
 from __future__ import annotations
@@ -59,14 +60,18 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, scaled: bool = True,
         if size % 16:
             raise ValueError(f"{name} = {size} must be a multiple of 16 for torch._scaled_mm (GPUs "
                              f"require it): pad it to {size + 16 - size % 16}")
-    for name, t in (("a", a), ("b", b)):
+    for name, t, line in (("a", a, "row"), ("b", b, "column")):
         bad = ~torch.isfinite(t)
         if bad.any():
             n, first = int(bad.sum()), tuple(bad.nonzero()[0].tolist())
+            harm = ("unscaled, an inf saturates to 448, a finite number" if not scaled else
+                    f"its {line}'s scale would be inf or nan, and so would that {line} of the "
+                    f"output" if rowwise else
+                    "a per-tensor scale of inf or nan turns every output into nan")
             raise ValueError(f"{name} has {n} {'entry that is' if n == 1 else 'entries that are'} "
                              f"inf or nan (the first at {first}): fp8 cannot carry it (e4m3 has no "
-                             f"inf, and a per-tensor scale of inf or nan turns every output into "
-                             f"nan); find where it came from, or skip the step as GradScaler does")
+                             f"inf; {harm}); find where it came from, or skip the step as "
+                             f"GradScaler does")
     a8, sa = quantize(a, scaled, 1 if rowwise and scaled else None)   # sa: (m, 1) rowwise
     b8, sb = quantize(b, scaled, 0 if rowwise and scaled else None)   # sb: (1, n) rowwise
     b8 = b8.t().contiguous().t()   # _scaled_mm wants its second operand column-major

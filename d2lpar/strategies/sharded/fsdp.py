@@ -18,7 +18,12 @@ updates exactly this rank's shard. Around the module's forward and backward:
 
 so after ``loss.backward()`` on each rank's part of the batch (a mean loss), every sharded
 parameter's ``.grad`` holds its piece of the MEAN gradient, the gradient one process computes on the
-whole batch, and any ``torch.optim`` optimizer steps it. At the end of backward one small all-reduce
+whole batch, and an element-wise ``torch.optim`` optimizer (SGD, Adam, AdamW, RMSprop: each element's
+update depends on that element alone) steps it as one process would. One that couples elements does
+not: Adafactor's row and column factors and LBFGS's dot products over all parameters would be
+computed on 1-D pieces. So does gradient clipping: ``clip_grad_norm_`` on the pieces gives this
+rank's norm; the global norm is the square root of the all-reduced (SUM) squared norms of the
+pieces, plus once those of the parameters left whole. At the end of backward one small all-reduce
 lets the ranks agree which parameters any rank used: a unit some of whose parameters got no gradient
 is reduced then, and a parameter no rank used keeps ``.grad`` None, as torch leaves it.
 
@@ -28,6 +33,9 @@ all-reduce, and the first time checks that those parameters are equal on every r
 rank 0's values only to what it shards). Between steps ``model.state_dict()`` gives this rank's
 pieces (1-D, the same keys); ``full_state_dict(model)`` gathers full tensors (a collective).
 Move the model to its device before ``shard``, and keep every rank's calls in the same order.
+``shard`` needs the whole model built on every rank first (it copies rank 0's values into the
+shards); FSDP2 can start from a model on the meta device, shard it, then ``to_empty`` and
+``reset_parameters`` allocate and initialise only each rank's shards.
 """
 
 from __future__ import annotations
@@ -361,7 +369,8 @@ def finish_grad_sync(model: nn.Module) -> None:
     trainable = [p for p in whole if p.requires_grad]
     if not trainable:
         return
-    got = torch.tensor([p.grad is not None for p in trainable], dtype=torch.int32)
+    got = torch.tensor([p.grad is not None for p in trainable], dtype=torch.int32,
+                       device=trainable[0].device)  # NCCL reduces only tensors on the GPU
     dist.all_reduce(got)
     counter = units[0].sharding.counter if units else ByteCounter()
     used = [p for p, g in zip(trainable, got.tolist()) if g]
@@ -382,7 +391,9 @@ def finish_grad_sync(model: nn.Module) -> None:
 
 
 def _check_equal_on_every_rank(tensors: list[torch.Tensor]) -> None:
-    different = torch.zeros(1, dtype=torch.int32)
+    if not tensors:
+        return
+    different = torch.zeros(1, dtype=torch.int32, device=tensors[0].device)
     for kind in sorted({(t.dtype, t.device) for t in tensors}, key=str):
         flat = torch.cat([t.detach().reshape(-1) for t in tensors if (t.dtype, t.device) == kind])
         theirs = flat.clone()

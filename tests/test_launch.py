@@ -315,19 +315,6 @@ def test_many_launches_leak_no_descriptors_nor_processes(warm_launcher):
     assert seconds < 4.0, f"a warm launch of 4 ranks took {seconds:.1f} s"
 
 
-def _gloo_interface():
-    return os.environ.get("GLOO_SOCKET_IFNAME")
-
-
-@pytest.mark.skipif(os.name != "posix", reason="interface names for gloo: Linux and macOS")
-def test_gloo_joins_on_loopback_so_no_host_name_is_looked_up(no_strays, monkeypatch):
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    loopback = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
-    assert launch(_gloo_interface, 2) == [min(loopback, key=len)] * 2
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", loopback[0])   # the caller's choice stands
-    assert launch(_gloo_interface, 1) == [loopback[0]]
-
-
 def _nap(seconds):
     time.sleep(seconds)
     return os.getpid()

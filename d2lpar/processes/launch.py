@@ -16,14 +16,9 @@ How it differs from ``torch.multiprocessing.spawn``:
 * The ranks meet through a file (``torch.distributed.FileStore`` in the run's log folder), not a
   TCP store: on the machines the course is tested on, about one ``TCPStore`` client connection in
   twenty-five stalled 5 s (so one launch in fifteen of 4 ranks took 5.1 s instead of 0.15 s), with
-  the store in the caller or in rank 0, libuv or not, while plain sockets never did. The store
-  asks for the name of each peer's address (``::ffff:127.0.0.1``, which /etc/hosts does not
-  list), so every connection sends the name server a query, and a lost reply costs the resolver's
-  timeout, 5 s (strace shows the queries; resolv.conf(5)). A file needs no connection. All ranks
-  of a launch are on this machine, so a file serves them all, and gloo connects them over the
-  loopback interface (``GLOO_SOCKET_IFNAME``, unless you set it): a launch looks up no host name,
-  so a slow name server cannot stall it (``_loopback_for_gloo``). The backend is chosen for you:
-  NCCL only when each rank gets a GPU of its own, gloo otherwise.
+  the store in the caller or in rank 0, libuv or not, while plain sockets never did; a file needs
+  no connection. All ranks of a launch are on this machine, so a file serves them all. The
+  backend is chosen for you: NCCL only when each rank gets a GPU of its own, gloo otherwise.
 * Each rank's output, down to the file descriptors (C++ warnings, gloo and NCCL messages,
   subprocesses), goes to a log file; the caller prints it after the run, rank by rank. While a run
   lasts, the caller prints a progress line every few seconds (which ranks still run, and the last
@@ -191,23 +186,6 @@ def _reserve_port(addr: str, port: int) -> tuple[socket.socket | None, int]:
     return s, port
 
 
-def _loopback_for_gloo() -> dict[str, str]:
-    """``GLOO_SOCKET_IFNAME`` naming the loopback interface, unless the caller set one.
-
-    Without it every rank looks its machine's host name up twice as its gloo group starts (torch's
-    default device, then gloo's), through /etc/hosts and, where the name is not there, DNS; a
-    reply lost costs the resolver's timeout, 5 s by default (resolv.conf(5)). The ranks all run
-    here, so loopback serves them, and a launch then looks up no name at all.
-    """
-    if os.name != "posix" or "GLOO_SOCKET_IFNAME" in os.environ:
-        return {}
-    try:
-        names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
-    except OSError:
-        return {}
-    return {"GLOO_SOCKET_IFNAME": min(names, key=len)} if names else {}
-
-
 def _stop(procs) -> None:
     """End the ranks, then whatever they started: each rank leads a process group of its own."""
     procs = [p for p in procs if p.pid is not None]  # a rank whose start failed has nothing to stop
@@ -318,7 +296,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         rank_env = launcher_free_env({
             "MASTER_ADDR": master_addr, "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": str(threads_per_rank),
-            **_loopback_for_gloo(), **(env or {})})
+            **(env or {})})
         return _run(payload, world_size, chosen, rank_env, timeout, threads_per_rank,
                     capture_output, quiet, init_process_group, progress, phases)
     finally:

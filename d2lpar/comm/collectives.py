@@ -135,9 +135,13 @@ def _ring(flat: torch.Tensor, phases: tuple[str, ...], counter: ByteCounter, seg
     steps = [st for st in ring_schedule(n) if st.rank == rank and st.phase in phases]
     # Reduce-scatter receives into two alternating scratch buffers (step i uses buffer i % 2);
     # all-gather receives straight into place.
-    biggest = max(b - a for a, b in bounds)
+    # Piece j of every step lands in its own slot of the buffer (slots of the biggest piece): cut
+    # by each chunk's own size instead, a chunk one element shorter moves the pieces' boundaries,
+    # and the receive posted for step i+2's piece j could overwrite the start of step i's piece
+    # j+1 before it has been added.
+    slot = -(-max(b - a for a, b in bounds) // segments)
     rs_steps = sum(st.phase == "reduce-scatter" for st in steps)
-    scratch = _scratch(min(2, rs_steps), biggest, flat)
+    scratch = _scratch(min(2, rs_steps), slot * segments, flat)
     recvs, sends = {}, []
 
     def post_recv(i: int, j: int) -> None:
@@ -146,8 +150,7 @@ def _ring(flat: torch.Tensor, phases: tuple[str, ...], counter: ByteCounter, seg
         if target.numel() == 0:
             return
         if st.phase == "reduce-scatter":
-            size = bounds[st.recv_chunk][1] - bounds[st.recv_chunk][0]
-            inbox = scratch[i % 2][:size].tensor_split(segments)[j]
+            inbox = scratch[i % 2][j * slot:j * slot + target.numel()]
         else:
             inbox = target
         recvs[i, j] = (counter.irecv(inbox, left, tag=i * segments + j), inbox, target)

@@ -36,7 +36,7 @@ How it differs from ``torch.multiprocessing.spawn``:
   has its own folder for logs, stacks and the file store (``ranklog.RunLogs``, under the user's own
   build folder, ``infra.paths``), its own forkserver (its socket, mode 0600, is in a temporary
   folder of the caller's own, mode 0700: ``multiprocessing.util.get_temp_dir``) and its own
-  MASTER_PORT, which the caller holds for the whole launch (``_reserve_port``). A ``master_port=``
+  MASTER_PORT, which the caller holds for the whole launch (``ports.reserve_port``). A ``master_port=``
   already in use, say by another user's launch, is replaced by a free one, and a line says so.
 * Each launch notes when it ends each of its phases (asking the forkserver for the ranks, their
   start, the rendezvous, ``fn``, the closing, the results, the ranks' exit, the logs), in the
@@ -55,15 +55,12 @@ launch) and there is no signal to ask a rank for its stack, so a timeout cannot 
 from __future__ import annotations
 
 import contextlib
-import errno
 import inspect
 import math
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import signal
-import socket
-import sys
 import textwrap
 import threading
 import time
@@ -78,6 +75,7 @@ from d2lpar.processes import ranklog
 from d2lpar.processes.commands import launcher_free_env
 from d2lpar.processes.phases import Phases
 from d2lpar.processes.pickling import dumps
+from d2lpar.processes.ports import reserve_port
 from d2lpar.processes.ranklog import LaunchError, LaunchTimeout, RankFailed
 
 __all__ = ["launch", "choose_backend", "last_phases", "LaunchError", "RankFailed", "LaunchTimeout"]
@@ -135,55 +133,6 @@ def _forkserver():
         else:  # Windows: no fork at all, so each rank starts Python and imports torch
             _context = mp.get_context("spawn")
     return _context
-
-
-HOLD_PORT = sys.platform.startswith("linux")  # SO_REUSEADDR lets a store listen beside the hold
-
-
-def _reserve_port(addr: str, port: int) -> tuple[socket.socket | None, int]:
-    """MASTER_PORT for this launch, and the socket that holds it until the launch ends.
-
-    ``addr`` (the ranks' MASTER_ADDR) must resolve to an address of this machine: the ranks run
-    here; said in one sentence, before anything starts. ``port`` 0 asks the kernel for a free one;
-    a port already in use (on a shared machine, maybe another user's launch) is not an error: a free
-    one replaces it, and a line says so.
-
-    The caller binds the port without listening and keeps it bound for the whole launch (Linux),
-    with SO_REUSEADDR set after the bind: another launch's probe (a bind without it) finds the port
-    taken, and the kernel gives it to no ``bind(..., 0)`` or outgoing connection (Linux's
-    ``inet_csk_bind_conflict`` and ``__inet_hash_connect``), while a rank's ``TCPStore``
-    (``init_method='env://'``), which binds with SO_REUSEADDR, can still listen on it: a bound
-    socket that does not listen blocks no listener that also asked for reuse. So two launches at
-    once never share a MASTER_PORT, even between the pick and the rank's bind.
-    """
-    try:
-        family = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)[0][0]
-    except (socket.gaierror, UnicodeError) as e:
-        raise LaunchError(f"master_addr {addr!r} does not resolve ({getattr(e, 'strerror', e)}): "
-                          "the launcher's ranks all run on this machine, so give '127.0.0.1' "
-                          "or a name of this machine") from None
-    s = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        s.bind((addr, port))
-    except OSError as e:
-        s.close()
-        if e.errno == errno.EADDRINUSE and port:
-            held, free = _reserve_port(addr, 0)
-            print(f"launch: port {port} on {addr} is in use (another launch or program): "
-                  f"MASTER_PORT={free} instead")
-            return held, free
-        if e.errno == errno.EADDRINUSE:
-            raise LaunchError(f"no free port left on {addr}: end programs that hold ports there, "
-                              "or give another master_addr") from None
-        raise LaunchError(f"master_addr {addr!r} is not an address of this machine ({e.strerror}): "
-                          "the launcher's ranks all run here, so give '127.0.0.1' or one "
-                          "of this machine's addresses") from None
-    port = s.getsockname()[1]
-    if not HOLD_PORT:   # elsewhere SO_REUSEADDR means other things: the port is free, not held
-        s.close()
-        return None, port
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    return s, port
 
 
 def _stop(procs) -> None:
@@ -280,7 +229,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
                           "fn_kwargs: give each once")
     kwargs.update(fn_kwargs)
     _check_arguments(fn, world_size, timeout, env, args, kwargs, threads_per_rank, master_port)
-    held, port = _reserve_port(master_addr, master_port)
+    held, port = reserve_port(master_addr, master_port)
     try:
         chosen, reason = choose_backend(world_size, backend)
         if backend == "auto" and (chosen, reason) not in _said:
